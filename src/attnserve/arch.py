@@ -1,0 +1,379 @@
+"""ModelArch: what a model's layers compute, read from a Hugging Face ``config.json``.
+
+This file is the only reader of HF config quirks that matter to the engine (attention kind,
+heads, head sizes, windows, RoPE, ALiBi, sinks, MLA and indexer dims, state-layer dims, MoE
+shape). Everything downstream reads ``ModelArch`` and its per-layer ``LayerSpec``.
+
+It is not a model implementation: family-specific details that only one model file needs
+(activation names, norm placement, bias flags) are read by that model file from
+``ModelArch.hf_config``, which is the text config as a read-only mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "ArchError",
+    "IndexerDims",
+    "LayerKind",
+    "LayerSpec",
+    "MLADims",
+    "Mechanism",
+    "MoESpec",
+    "ModelArch",
+    "RopeConfig",
+    "StateDims",
+    "load_hf_config",
+]
+
+
+class ArchError(ValueError):
+    """A config that cannot be understood: the message names the model type and the field."""
+
+
+class LayerKind(str, Enum):
+    FULL = "full"
+    SLIDING = "sliding"
+    MLA = "mla"
+    SPARSE_MLA = "sparse_mla"
+    GDN = "gdn"
+    MAMBA = "mamba"
+    LIGHTNING = "lightning"
+    KDA = "kda"
+
+    @property
+    def is_attention(self) -> bool:
+        return self in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.MLA, LayerKind.SPARSE_MLA)
+
+    @property
+    def is_state(self) -> bool:
+        return not self.is_attention
+
+    @property
+    def is_mla(self) -> bool:
+        return self in (LayerKind.MLA, LayerKind.SPARSE_MLA)
+
+
+class Mechanism(str, Enum):
+    MHA = "MHA"
+    MQA = "MQA"
+    GQA = "GQA"
+    MLA = "MLA"
+    SPARSE_MLA = "SPARSE_MLA"
+    HYBRID = "HYBRID"
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding of one layer. ``rotary_dim`` dims are rotated, the rest pass through."""
+
+    rotary_dim: int
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | dynamic | yarn | llama3 | longrope
+    interleaved: bool = False  # GPT-J adjacent pairs (True) or NeoX half-split (False)
+    factor: float = 1.0
+    max_position_embeddings: int | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None  # yarn
+    mscale: float | None = None  # yarn (DeepSeek)
+    mscale_all_dim: float | None = None  # yarn (DeepSeek)
+    attention_factor: float | None = None  # yarn / longrope
+    truncate: bool = True  # yarn
+    short_factor: tuple[float, ...] | None = None  # longrope
+    long_factor: tuple[float, ...] | None = None  # longrope
+
+    def __post_init__(self) -> None:
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ArchError(f"rotary_dim must be a positive even number, got {self.rotary_dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class MLADims:
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached row: ``kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerDims:
+    """The DSA lightning indexer of one sparse-MLA layer."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_interleaved: bool  # False: NeoX half-split (DeepSeek-V3.2); True: GLM-5
+    has_cache: bool = True  # False for GLM-5 "shared" layers that reuse the previous top-k
+
+
+@dataclass(frozen=True, slots=True)
+class StateDims:
+    """Per-sequence state of a state layer, in elements (dtypes come from the cache config)."""
+
+    conv: tuple[tuple[int, ...], ...] = ()
+    recurrent: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def conv_numel(self) -> int:
+        return sum(math.prod(s) for s in self.conv)
+
+    @property
+    def recurrent_numel(self) -> int:
+        return sum(math.prod(s) for s in self.recurrent)
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0
+    scoring: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    n_group: int = 1
+    topk_group: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    index: int
+    kind: LayerKind
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_size: int = 0  # q/k head size (MLA: qk_nope + qk_rope)
+    head_size_v: int = 0
+    scale: float = 0.0  # softmax scale
+    window: int | None = None  # keys visible to a query, itself included (HF semantics)
+    rope: RopeConfig | None = None
+    alibi: bool = False
+    sinks: bool = False  # learned per-head sink logits (GPT-OSS)
+    softcap: float | None = None
+    mla: MLADims | None = None
+    indexer: IndexerDims | None = None
+    state: StateDims | None = None
+    moe: bool = False  # this layer's MLP is a mixture of experts
+
+    @property
+    def features(self) -> frozenset[str]:
+        """Attention features a backend must support for this layer."""
+        out = set()
+        if self.window is not None:
+            out.add("sliding_window")
+        if self.alibi:
+            out.add("alibi")
+        if self.sinks:
+            out.add("sinks")
+        if self.softcap is not None:
+            out.add("softcap")
+        return frozenset(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArch:
+    model_type: str
+    architectures: tuple[str, ...]
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    max_position_embeddings: int | None
+    dtype: str
+    layers: tuple[LayerSpec, ...]
+    tie_word_embeddings: bool = False
+    moe: MoESpec | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    # --- derived views -------------------------------------------------------------------
+    @property
+    def attention_layers(self) -> tuple[LayerSpec, ...]:
+        return tuple(s for s in self.layers if s.kind.is_attention)
+
+    @property
+    def state_layers(self) -> tuple[LayerSpec, ...]:
+        return tuple(s for s in self.layers if s.kind.is_state)
+
+    @property
+    def mechanism(self) -> Mechanism:
+        kinds = {s.kind for s in self.layers}
+        if any(k.is_state for k in kinds):
+            return Mechanism.HYBRID
+        if LayerKind.SPARSE_MLA in kinds:
+            return Mechanism.SPARSE_MLA
+        if LayerKind.MLA in kinds:
+            return Mechanism.MLA
+        first = self.attention_layers[0]
+        if first.num_kv_heads == first.num_heads:
+            return Mechanism.MHA
+        if first.num_kv_heads == 1:
+            return Mechanism.MQA
+        return Mechanism.GQA
+
+    @property
+    def attention_mechanism(self) -> Mechanism:
+        """The mechanism of the attention layers alone (for hybrid models)."""
+        attn = self.attention_layers
+        if any(s.kind is LayerKind.SPARSE_MLA for s in attn):
+            return Mechanism.SPARSE_MLA
+        if any(s.kind is LayerKind.MLA for s in attn):
+            return Mechanism.MLA
+        if not attn:
+            return Mechanism.HYBRID
+        first = attn[0]
+        if first.num_kv_heads == first.num_heads:
+            return Mechanism.MHA
+        return Mechanism.MQA if first.num_kv_heads == 1 else Mechanism.GQA
+
+    @property
+    def num_heads(self) -> int:
+        attn = self.attention_layers
+        return attn[0].num_heads if attn else 0
+
+    @property
+    def num_kv_heads(self) -> int:
+        attn = self.attention_layers
+        return attn[0].num_kv_heads if attn else 0
+
+    @property
+    def head_size(self) -> int:
+        attn = self.attention_layers
+        return attn[0].head_size if attn else 0
+
+    @property
+    def is_mla(self) -> bool:
+        return any(s.kind.is_mla for s in self.layers)
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
+        """Build the architecture from a HF ``config.json`` dict.
+
+        Args:
+            config: the parsed ``config.json`` (a multimodal wrapper is read through its
+                ``text_config``).
+            use_mla: False runs MLA models with expanded per-head K/V (``ATTNSERVE_MLA_DISABLE``).
+        Raises:
+            ArchError: naming the model type and the field that cannot be understood.
+        """
+        from attnserve import arch_families  # the per-family readers import this module
+
+        if not isinstance(config, Mapping):
+            raise ArchError(f"config must be a JSON object, got {type(config).__name__}")
+        cfg = _text_config(config)
+        model_type = cfg.get("model_type")
+        if not model_type:
+            raise ArchError("config has no 'model_type' field")
+        builder = arch_families.BUILDERS.get(model_type)
+        if builder is None:
+            known = ", ".join(sorted(arch_families.BUILDERS))
+            raise ArchError(f"model_type '{model_type}' is not supported (supported: {known})")
+        reader = arch_families.Reader(model_type, cfg)
+        layers, moe = builder(reader)
+        if not use_mla:
+            layers = [arch_families.expand_mla(s) for s in layers]
+        if len(layers) != reader.num_layers:
+            raise ArchError(f"{model_type}: built {len(layers)} layers for num_hidden_layers={reader.num_layers}")
+        if not any(s.kind.is_attention for s in layers) and not any(s.kind.is_state for s in layers):
+            raise ArchError(f"{model_type}: no attention or state layers found")
+        eos = cfg.get("eos_token_id", config.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        tie = cfg.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+        if tie is None:
+            tie = model_type in arch_families.TIED_BY_DEFAULT
+        return cls(
+            model_type=model_type,
+            architectures=tuple(config.get("architectures") or cfg.get("architectures") or ()),
+            hidden_size=reader.hidden_size,
+            num_layers=reader.num_layers,
+            vocab_size=reader.int("vocab_size"),
+            max_position_embeddings=reader.max_position_embeddings,
+            dtype=_model_dtype(cfg, config, model_type),
+            layers=tuple(layers),
+            tie_word_embeddings=bool(tie),
+            moe=moe,
+            bos_token_id=cfg.get("bos_token_id", config.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+            hf_config=MappingProxyType(dict(cfg)),
+        )
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    """Read ``config.json`` from a model directory or a file path, with errors naming the file."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise FileNotFoundError(f"no config.json at {p}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ArchError(f"{p}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ArchError(f"{p}: expected a JSON object")
+    return data
+
+
+_TEXT_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:  # noqa: C901
+    """Read multimodal wrappers through their ``text_config``; normalise text model types."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        cfg = dict(text)
+        cfg.setdefault("model_type", config.get("model_type"))
+        for key in ("tie_word_embeddings", "torch_dtype", "dtype"):
+            if key not in cfg and key in config:
+                cfg[key] = config[key]
+    else:
+        cfg = dict(config)
+    mt = cfg.get("model_type")
+    if mt == "gemma3":  # the wrapper type without a text_config: the text model itself
+        cfg["model_type"] = "gemma3_text"
+    cfg["model_type"] = _TEXT_TYPE_ALIASES.get(cfg.get("model_type"), cfg.get("model_type"))
+    return cfg
+
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+
+
+def _model_dtype(cfg: Mapping[str, Any], config: Mapping[str, Any], model_type: str) -> str:
+    """``torch_dtype`` (or transformers 5's ``dtype``); when missing, float32 as transformers
+    does, except for quantised checkpoints, whose activations run in bfloat16."""
+    value = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or config.get("dtype")
+    if value is None:
+        quantized = "quantization_config" in cfg or "quantization_config" in config
+        value = "bfloat16" if quantized else "float32"
+    return _dtype_name(value, model_type)
+
+
+def _dtype_name(value: Any, model_type: str) -> str:
+    name = str(value).replace("torch.", "").lower()
+    if name not in _DTYPES:
+        raise ArchError(f"{model_type}: unsupported torch_dtype '{value}'")
+    return _DTYPES[name]

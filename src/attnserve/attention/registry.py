@@ -1,0 +1,236 @@
+"""Backend names -> capabilities and lazy implementations; selection with a manual override.
+
+Selection walks the platform's priority list for a layer kind and takes the first backend
+whose validation returns no reasons. A backend named by the user that does not fit is a hard
+error listing every reason. Implementations are imported only when selected, so a backend
+built on a missing library costs nothing and says "library ... is not installed".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+from attnserve.arch import LayerKind
+from attnserve.attention.backend import AttentionBackend, BackendRequest, Capabilities
+from attnserve.platforms.base import Platform
+
+__all__ = [
+    "BackendEntry",
+    "BackendSelectionError",
+    "Selection",
+    "get_entry",
+    "is_implemented",
+    "list_backends",
+    "rank_backends",
+    "load_backend",
+    "register",
+    "select_backend",
+    "validate",
+]
+
+
+class BackendSelectionError(ValueError):
+    def __init__(self, message: str, reasons: tuple[str, ...] = ()):
+        super().__init__(message if not reasons else message + ":\n  - " + "\n  - ".join(reasons))
+        self.reasons = reasons
+
+
+@dataclass(frozen=True, slots=True)
+class BackendEntry:
+    name: str
+    capabilities: Capabilities
+    impl: str | None  # "module:Class"; a module that does not exist yet means "not implemented"
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    name: str
+    passed_over: tuple[tuple[str, tuple[str, ...]], ...] = ()  # higher-priority names and why
+    forced: bool = False
+
+
+_REGISTRY: dict[str, BackendEntry] = {}
+
+
+def register(entry: BackendEntry) -> None:
+    if entry.name in _REGISTRY:
+        raise ValueError(f"backend {entry.name} is registered twice")
+    if entry.name != entry.name.upper():
+        raise ValueError(f"backend names are upper-case, got {entry.name}")
+    _REGISTRY[entry.name] = entry
+
+
+def list_backends() -> tuple[BackendEntry, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def get_entry(name: str) -> BackendEntry:
+    entry = _REGISTRY.get(name.upper())
+    if entry is None:
+        raise BackendSelectionError(f"unknown attention backend '{name}' (known: {', '.join(sorted(_REGISTRY))})")
+    return entry
+
+
+def load_backend(name: str) -> type[AttentionBackend]:
+    entry = get_entry(name)
+    if not is_implemented(entry):
+        raise BackendSelectionError(f"backend {entry.name} is not implemented yet")
+    module, _, cls = entry.impl.partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise ImportError(f"backend {entry.name} needs {', '.join(entry.capabilities.requires) or module}: {e}") from e
+
+
+def _fmt_cc(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
+def validate(entry: BackendEntry, req: BackendRequest, platform: Platform) -> list[str]:
+    """Every reason ``entry`` cannot serve ``req`` on ``platform``; empty when it fits."""
+    caps = entry.capabilities
+    reasons: list[str] = []
+    if req.kind not in caps.layer_kinds:
+        kinds = ", ".join(sorted(k.value for k in caps.layer_kinds))
+        reasons.append(f"does not handle {req.kind.value} layers (handles {kinds})")
+    if platform.name not in caps.platforms:
+        reasons.append(f"runs on {', '.join(caps.platforms)}, not on {platform.name}")
+    else:
+        min_cc = caps.platforms[platform.name]
+        cc = platform.compute_capability
+        if min_cc is not None and cc is not None and cc < min_cc:
+            reasons.append(f"needs compute capability >= {_fmt_cc(min_cc)}, the device has {_fmt_cc(cc)}")
+    if req.dtype not in caps.dtypes:
+        reasons.append(f"does not support dtype {req.dtype} (supports {', '.join(sorted(caps.dtypes))})")
+    if req.kv_cache_dtype not in caps.kv_cache_dtypes:
+        reasons.append(f"does not support kv_cache_dtype {req.kv_cache_dtype} "
+                       f"(supports {', '.join(sorted(caps.kv_cache_dtypes))})")
+    if caps.head_sizes is not None and req.head_size not in caps.head_sizes:
+        sizes = ", ".join(str(s) for s in sorted(caps.head_sizes))
+        reasons.append(f"does not support head size {req.head_size} (supports {sizes})")
+    if req.block_size % caps.block_size_multiple:
+        reasons.append(f"needs a block size that is a multiple of {caps.block_size_multiple}, got {req.block_size}")
+    for feature in sorted(req.features - caps.features):
+        reasons.append(f"does not support {feature.replace('_', ' ')}")
+    for module in caps.requires:
+        if importlib.util.find_spec(module) is None:
+            reasons.append(f"library '{module}' is not installed")
+    if not is_implemented(entry):
+        reasons.append("not implemented yet in this version of attnserve")
+    return reasons
+
+
+def is_implemented(entry: BackendEntry) -> bool:
+    """True when the entry's implementation module exists (it is not imported here)."""
+    if entry.impl is None:
+        return False
+    module = entry.impl.partition(":")[0]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def select_backend(req: BackendRequest, platform: Platform, override: str | None = None) -> Selection:
+    """The backend for one layer group: the user's choice if it fits, else the first that fits.
+
+    Raises:
+        BackendSelectionError: the named backend does not fit (with every reason), or none does.
+    """
+    if override:
+        entry = get_entry(override)
+        reasons = validate(entry, req, platform)
+        if reasons:
+            raise BackendSelectionError(
+                f"attention backend {entry.name} cannot run {req.kind.value} layers "
+                f"(head size {req.head_size}, {req.dtype}, kv cache {req.kv_cache_dtype}) on {platform.label}",
+                tuple(reasons))
+        return Selection(entry.name, forced=True)
+    passed: list[tuple[str, tuple[str, ...]]] = []
+    for name, reasons in rank_backends(req, platform):
+        if not reasons:
+            return Selection(name, tuple(passed))
+        passed.append((name, reasons))
+    details = tuple(f"{n}: {'; '.join(r)}" for n, r in passed) or (f"no backend is listed for {req.kind.value}",)
+    raise BackendSelectionError(f"no attention backend can run {req.kind.value} layers on {platform.label}", details)
+
+
+def rank_backends(req: BackendRequest, platform: Platform) -> list[tuple[str, tuple[str, ...]]]:
+    """The platform's backends for ``req.kind`` in priority order, each with why it does not fit."""
+    return [(name, tuple(validate(get_entry(name), req, platform))) for name in platform.backend_priority(req.kind)]
+
+
+# --- the table --------------------------------------------------------------------------
+_FLOAT = frozenset({"float32", "bfloat16", "float16"})
+_HALF = frozenset({"bfloat16", "float16"})
+_ALL_FEATURES = frozenset({"sliding_window", "alibi", "sinks", "softcap"})
+_STANDARD = frozenset({LayerKind.FULL, LayerKind.SLIDING})
+_ANY = {"cpu": None, "cuda": None, "rocm": None}
+_GPU = {"cuda": (8, 0), "rocm": None}
+
+
+def _entry(name: str, impl: str | None, description: str, **caps) -> BackendEntry:
+    return BackendEntry(name=name, impl=impl, description=description, capabilities=Capabilities(**caps))
+
+
+for _e in (
+    _entry("TORCH_SDPA", "attnserve.attention.backends.torch_sdpa:TorchSDPABackend",
+           "PyTorch over the paged cache (gather, then scaled_dot_product_attention); any device",
+           layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT, platforms=_ANY,
+           features=frozenset({"sliding_window"})),
+    _entry("FLEX_ATTENTION", "attnserve.attention.backends.flex:FlexAttentionBackend", "torch FlexAttention over the paged cache",
+           layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT, platforms=_ANY,
+           features=_ALL_FEATURES),
+    _entry("TRITON_ATTN", "attnserve.attention.backends.triton_attn:TritonAttentionBackend", "Triton paged prefill and split-KV decode",
+           layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_GPU,
+           features=_ALL_FEATURES, requires=("triton",)),
+    _entry("FLASH_ATTN", None, "FlashAttention 2/3 (library)",
+           layer_kinds=_STANDARD, dtypes=_HALF, kv_cache_dtypes=_HALF, platforms={"cuda": (8, 0)},
+           features=frozenset({"sliding_window", "alibi", "softcap"}), block_size_multiple=16,
+           head_sizes=frozenset(range(8, 257, 8)), requires=("flash_attn",)),
+    _entry("FLASHINFER", None, "FlashInfer paged attention (library)",
+           layer_kinds=_STANDARD, dtypes=_HALF, kv_cache_dtypes=_HALF | {"fp8"}, platforms={"cuda": (8, 0)},
+           features=frozenset({"sliding_window", "softcap", "sinks"}),
+           head_sizes=frozenset({64, 128, 256}), requires=("flashinfer",)),
+    _entry("TORCH_MLA", "attnserve.attention.backends.torch_mla:TorchMLABackend",
+           "MLA in PyTorch: expanded prefill, absorbed (MQA over latent rows) decode",
+           layer_kinds=frozenset({LayerKind.MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
+           platforms=_ANY),
+    _entry("TRITON_MLA", "attnserve.attention.backends.triton_mla:TritonMLABackend", "Triton absorbed MLA decode over the paged latent cache",
+           layer_kinds=frozenset({LayerKind.MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
+           platforms=_GPU, requires=("triton",)),
+    _entry("FLASHMLA", None, "FlashMLA dense decode (library, Hopper)",
+           layer_kinds=frozenset({LayerKind.MLA}), dtypes=_HALF, kv_cache_dtypes=_HALF | {"fp8"},
+           platforms={"cuda": (9, 0)}, block_size_multiple=64, requires=("flash_mla",)),
+    _entry("TORCH_MLA_SPARSE", "attnserve.attention.backends.torch_mla_sparse:TorchMLASparseBackend",
+           "DSA in PyTorch: lightning indexer, top-k, MQA over the selected latent rows",
+           layer_kinds=frozenset({LayerKind.SPARSE_MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
+           platforms=_ANY),
+    _entry("TRITON_MLA_SPARSE", "attnserve.attention.backends.triton_mla_sparse:TritonMLASparseBackend", "Triton sparse MLA and indexer kernels",
+           layer_kinds=frozenset({LayerKind.SPARSE_MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
+           platforms=_GPU, requires=("triton",)),
+    _entry("FLASHMLA_SPARSE", None, "FlashMLA sparse decode and prefill (library, Hopper)",
+           layer_kinds=frozenset({LayerKind.SPARSE_MLA}), dtypes=_HALF, kv_cache_dtypes=frozenset({"fp8"}),
+           platforms={"cuda": (9, 0)}, block_size_multiple=64, requires=("flash_mla",)),
+    _entry("TORCH_GDN", "attnserve.attention.backends.torch_gdn:TorchGDNBackend",
+           "Gated DeltaNet in PyTorch: chunked prefill, recurrent decode",
+           layer_kinds=frozenset({LayerKind.GDN}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
+           platforms=_ANY),
+    _entry("TRITON_GDN", "attnserve.attention.backends.triton_gdn:TritonGDNBackend", "Triton Gated DeltaNet kernels",
+           layer_kinds=frozenset({LayerKind.GDN}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
+           platforms=_GPU, requires=("triton",)),
+    _entry("TORCH_MAMBA", "attnserve.attention.backends.torch_mamba:TorchMambaBackend",
+           "Mamba selective scan in PyTorch", layer_kinds=frozenset({LayerKind.MAMBA}), dtypes=_FLOAT,
+           kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY),
+    _entry("TORCH_LIGHTNING", "attnserve.attention.backends.torch_lightning:TorchLightningBackend",
+           "lightning attention in PyTorch: block prefill, recurrent decode",
+           layer_kinds=frozenset({LayerKind.LIGHTNING}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
+           platforms=_ANY),
+    _entry("TORCH_KDA", "attnserve.attention.backends.torch_kda:TorchKDABackend",
+           "Kimi delta attention in PyTorch", layer_kinds=frozenset({LayerKind.KDA}), dtypes=_FLOAT,
+           kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY),
+):
+    register(_e)

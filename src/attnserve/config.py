@@ -1,0 +1,136 @@
+"""Engine configuration: frozen dataclasses, composed (not inherited) into ``EngineConfig``.
+
+Configuration is data: this module imports nothing of the engine. ``EngineConfig.from_kwargs``
+takes the same keywords as ``LLM(...)`` and the command line (vLLM's names, with underscores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "OffloadConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+]
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    load_format: str = "auto"  # auto | safetensors | dummy
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    seed: int = 0
+    device: str | None = None  # cpu | cuda | cuda:N; None: this machine's platform
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got '{self.dtype}'")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got '{self.load_format}'")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto | fp8 | bfloat16 | float16 | float32
+    indexer_cache_dtype: str = "auto"  # auto: fp8 when kv_cache_dtype is fp8, else the model dtype
+    mamba_ssm_cache_dtype: str = "float32"  # recurrent state of state layers
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: float | None = None  # GiB for the KV cache (CPU default: a share of free memory)
+    num_gpu_blocks_override: int | None = None
+    attention_backend: str | None = None
+    streaming_sinks: int | None = None  # StreamingLLM: keep the first N tokens ...
+    streaming_window: int | None = None  # ... and the last W
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive GiB, got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be at least 2 (block 0 is the null block)")
+        if (self.streaming_sinks is None) != (self.streaming_window is None):
+            raise ValueError("streaming_sinks and streaming_window go together")
+        if self.streaming_window is not None and (self.streaming_window <= 0 or self.streaming_sinks < 0):
+            raise ValueError("streaming_window must be positive and streaming_sinks non-negative")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    kv_offloading_size: float | None = None  # GiB
+    kv_offloading_backend: str = "host"  # host | disk
+    kv_offloading_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_offloading_backend not in ("host", "disk"):
+            raise ValueError(f"kv_offloading_backend must be host or disk, got '{self.kv_offloading_backend}'")
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError("kv_offloading_size must be positive GiB")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Route flat keywords (``LLM(...)`` / CLI names) to the sub-configs; unknown ones fail."""
+        parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}}
+        owners = {}
+        for sub in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, OffloadConfig):
+            for f in fields(sub):
+                owners[f.name] = sub
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise TypeError(f"unknown engine option '{key}'")
+            if value is None and key != "max_model_len":
+                continue
+            parts.setdefault(owners[key], {})[key] = value
+        return cls(
+            model=ModelConfig(**parts[ModelConfig]),
+            cache=CacheConfig(**parts.get(CacheConfig, {})),
+            scheduler=SchedulerConfig(**parts.get(SchedulerConfig, {})),
+            parallel=ParallelConfig(**parts.get(ParallelConfig, {})),
+            offload=OffloadConfig(**parts.get(OffloadConfig, {})),
+        )

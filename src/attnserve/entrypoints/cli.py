@@ -1,0 +1,155 @@
+"""The ``attnserve`` command: inspect, generate, serve, bench.
+
+``attnserve ...`` and ``python -m attnserve ...`` are the same command. Subcommands import
+what they need when they run, so ``inspect`` starts without loading the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from attnserve.platforms import PLATFORM_NAMES
+
+__all__ = ["main", "add_engine_args", "engine_kwargs"]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by generate, serve and bench (vLLM's names)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--attention-backend", default=None)
+    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB",
+                   help="KV cache size in GiB (CPU; default: a share of free memory)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB")
+    g.add_argument("--kv-offloading-backend", default=None, choices=["host", "disk"])
+    g.add_argument("--kv-offloading-dir", default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--streaming-sinks", type=int, default=None)
+    g.add_argument("--streaming-window", type=int, default=None)
+
+
+_ENGINE_KEYS = ("attention_backend", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
+                "num_gpu_blocks_override", "enable_prefix_caching", "load_format", "dtype",
+                "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir", "tensor_parallel_size",
+                "device", "seed", "streaming_sinks", "streaming_window")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k, None) is not None}
+
+
+def _inspect_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="mechanism, KV memory and backend choice of a model, without weights")
+    p.add_argument("model", help="model directory, config.json, or a shipped config name "
+                                 "(e.g. deepseek-ai/DeepSeek-V3)")
+    p.add_argument("--platform", choices=PLATFORM_NAMES, default=None, help="default: this machine")
+    p.add_argument("--compute-capability", default=None, help="e.g. 9.0 (cuda/rocm without a device)")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--memory", type=float, default=None, metavar="GiB")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from attnserve import env
+    from attnserve.attention.registry import BackendSelectionError
+    from attnserve.entrypoints.inspect import build_report, dumps, plot_kv_memory
+    from attnserve.platforms import current_platform, get_platform
+
+    cc = None
+    if args.compute_capability:
+        major, _, minor = args.compute_capability.partition(".")
+        cc = (int(major), int(minor or 0))
+    platform = get_platform(args.platform, cc) if args.platform else current_platform()
+    try:
+        report = build_report(args.model, platform, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                              attention_backend=args.attention_backend, memory_gib=args.memory,
+                              max_model_len=args.max_model_len, block_size=args.block_size,
+                              use_mla=not env.mla_disabled())
+    except BackendSelectionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(dumps(report) if args.json else report.render())
+    if args.plot:
+        plot_kv_memory(report, args.plot)
+        if not args.json:
+            print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate completions for prompts (offline batch)")
+    p.add_argument("--model", default=None, help="model directory (default: the shipped demo model)")
+    p.add_argument("--prompt", action="append", default=None, help="a prompt; repeat for a batch")
+    p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    add_engine_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from attnserve.entrypoints.llm import LLM
+    from attnserve.presets import DEFAULT_MODEL
+    from attnserve.sampling_params import SamplingParams
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = ["def fibonacci(n):"]
+    llm = LLM(model=args.model or DEFAULT_MODEL, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=args.ignore_eos, seed=args.seed)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(prompts, outs):
+        print(f"--- prompt: {prompt!r}")
+        print(prompt + out.outputs[0].text if not args.chat else out.outputs[0].text)
+    s = llm.last_stats
+    print(f"Throughput: {s.num_requests} requests in {s.elapsed:.2f} s, prompt {s.prompt_throughput:.1f} tok/s, "
+          f"generation {s.generation_throughput:.1f} tok/s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnserve", description="attnserve: an attention-first LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _inspect_parser(sub)
+    _generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,319 @@
+"""``attnserve inspect``: a model's mechanism, KV memory and backend choice, without weights.
+
+Builds an ``InspectReport`` from a ``config.json`` (the same ModelArch, KV cache groups and
+backend selection the engine uses), then renders it as a table, as JSON, or as a plot of KV
+memory against context length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from attnserve.arch import LayerKind, LayerSpec, MLADims, ModelArch, load_hf_config
+from attnserve.attention.backend import BackendRequest
+from attnserve.attention.registry import (
+    BackendSelectionError,
+    Selection,
+    rank_backends,
+    select_backend,
+)
+from attnserve.config import CacheConfig
+from attnserve.kvcache.groups import cache_entries, group_entries, layer_specs, sequence_bytes
+from attnserve.kvcache.spec import resolve_cache_dtype
+from attnserve.platforms import Platform
+from attnserve.presets import resolve_config_path
+
+__all__ = ["InspectReport", "LayerGroupRow", "build_report", "plot_kv_memory"]
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroupRow:
+    kind: str
+    num_layers: int
+    layer_ids: tuple[int, ...]
+    bytes_per_token_per_layer: int
+    components: tuple[tuple[str, int], ...]  # (latent, 656), (indexer, 132) ...
+    state_bytes_per_sequence_per_layer: int
+    window: int | None
+    backend: str
+    passed_over: tuple[tuple[str, tuple[str, ...]], ...]
+    offload: str
+
+
+@dataclass(slots=True)
+class InspectReport:
+    name: str
+    arch: ModelArch
+    platform: Platform
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    max_model_len: int
+    rows: list[LayerGroupRow]
+    kv_bytes_per_token: int
+    state_bytes_per_sequence: int
+    bytes_per_sequence: int  # one sequence of max_model_len, windows and states included
+    memory_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Tokens whose KV fits in ``memory`` (sliding layers at their full rate, no state)."""
+        if self.memory_bytes is None:
+            return None
+        return self.memory_bytes // self.kv_bytes_per_token if self.kv_bytes_per_token else None
+
+    @property
+    def max_sequences(self) -> int | None:
+        """Sequences of ``max_model_len`` tokens that fit at once."""
+        if self.memory_bytes is None or not self.bytes_per_sequence:
+            return None
+        return self.memory_bytes // self.bytes_per_sequence
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.name,
+            "model_type": self.arch.model_type,
+            "mechanism": self.arch.mechanism.value,
+            "attention_mechanism": self.arch.attention_mechanism.value,
+            "num_layers": self.arch.num_layers,
+            "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "block_size": self.block_size,
+            "platform": self.platform.name,
+            "compute_capability": list(self.platform.compute_capability) if self.platform.compute_capability else None,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_sequence": self.state_bytes_per_sequence,
+            "max_model_len": self.max_model_len,
+            "bytes_per_sequence": self.bytes_per_sequence,
+            "layer_groups": [
+                {"kind": r.kind, "num_layers": r.num_layers, "layers": list(r.layer_ids),
+                 "bytes_per_token_per_layer": r.bytes_per_token_per_layer,
+                 "components": dict(r.components),
+                 "state_bytes_per_sequence_per_layer": r.state_bytes_per_sequence_per_layer,
+                 "window": r.window, "backend": r.backend,
+                 "passed_over": {n: list(reasons) for n, reasons in r.passed_over},
+                 "offload": r.offload}
+                for r in self.rows
+            ],
+            "offloadable": sorted({r.kind for r in self.rows}),
+            "notes": self.notes,
+        }
+        if self.memory_bytes is not None:
+            out["memory_bytes"] = self.memory_bytes
+            out["max_tokens"] = self.max_tokens
+            out["max_sequences"] = self.max_sequences
+        return out
+
+    def render(self) -> str:
+        a = self.arch
+        lines = [f"{self.name}  ({a.model_type})",
+                 f"mechanism {a.mechanism.value}" + (f" (attention layers: {a.attention_mechanism.value})"
+                                                     if a.mechanism.value == "HYBRID" else "")
+                 + f" · {a.num_layers} layers · dtype {self.dtype} · kv cache {self.kv_cache_dtype}"
+                 + f" · block size {self.block_size} · platform {self.platform.label}", ""]
+        header = ("kind", "layers", "B/token/layer", "state B/seq/layer", "window", "backend")
+        table = [header] + [
+            (r.kind, str(r.num_layers), _components(r), _num(r.state_bytes_per_sequence_per_layer) or "-",
+             str(r.window) if r.window else "-", r.backend) for r in self.rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        for i, row in enumerate(table):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines += ["", f"KV cache per token: {_num(self.kv_bytes_per_token)} B ({_size(self.kv_bytes_per_token)})"
+                  " over all layers (sliding layers counted at their full rate)"]
+        if self.state_bytes_per_sequence:
+            lines.append(f"State per sequence: {_num(self.state_bytes_per_sequence)} B "
+                         f"({_size(self.state_bytes_per_sequence)}), whatever its length")
+        lines.append(f"One sequence of {_num(self.max_model_len)} tokens: {_size(self.bytes_per_sequence)}"
+                     + (" (sliding layers keep only their window)" if any(r.window for r in self.rows) else ""))
+        if self.memory_bytes is not None:
+            lines.append(f"In {_size(self.memory_bytes)}: {_num(self.max_tokens or 0)} tokens of KV cache; "
+                         f"{_num(self.max_sequences or 0)} sequences of {_num(self.max_model_len)} tokens at once")
+        lines += ["", "Backends:"]
+        for r in self.rows:
+            why = "; ".join(f"{n}: {', '.join(rs)}" for n, rs in r.passed_over)
+            lines.append(f"  {r.kind}: {r.backend}" + (f"  (passed over {why})" if why else
+                                                          "  (first choice on this platform)"))
+        lines += ["", "Offload (what the offload tier can hold):"]
+        for r in self.rows:
+            lines.append(f"  {r.kind}: {r.offload}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _num(n: int) -> str:
+    return f"{n:,}" if n else ""
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def _components(r: LayerGroupRow) -> str:
+    if r.bytes_per_token_per_layer == 0:
+        return "-"
+    total = _num(r.bytes_per_token_per_layer)
+    if len(r.components) > 1:
+        return total + " (" + " + ".join(f"{n} {_num(b)}" for n, b in r.components) + ")"
+    return total
+
+
+_OFFLOAD = {"full": "prefix blocks", "sliding": "prefix blocks inside the window",
+            "mla": "latent rows (prefix blocks)", "sparse_mla": "latent rows and indexer keys (prefix blocks)",
+            "state": "state snapshots at block boundaries"}
+
+
+def _select(spec: LayerSpec, dtype: str, kv_dtype: str, cache: CacheConfig, platform: Platform,
+            override: str | None) -> Selection:
+    """The engine's choice for this layer; "none" (with every reason) when nothing fits yet.
+
+    Raises:
+        BackendSelectionError: only when the user named a backend that does not fit.
+    """
+    req = BackendRequest(kind=spec.kind, head_size=spec.head_size, dtype=dtype, kv_cache_dtype=kv_dtype,
+                         block_size=cache.block_size, features=spec.features)
+    if override and spec.kind.is_attention:
+        return select_backend(req, platform, override)
+    passed = []
+    for name, reasons in rank_backends(req, platform):
+        if not reasons:
+            return Selection(name, tuple(passed))
+        passed.append((name, reasons))
+    return Selection("none", tuple(passed))
+
+
+def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                 attention_backend: str | None = None, memory_gib: float | None = None,
+                 max_model_len: int | None = None, block_size: int = 16, use_mla: bool = True) -> InspectReport:
+    """Raises BackendSelectionError when ``attention_backend`` does not fit, with every reason."""
+    path = resolve_config_path(model)
+    arch = ModelArch.from_hf(load_hf_config(path), use_mla=use_mla)
+    model_dtype = arch.dtype if dtype == "auto" else dtype
+    cache = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    kv_dtype = resolve_cache_dtype(kv_cache_dtype, model_dtype)
+    groups = group_entries(cache_entries(arch, cache, model_dtype))
+    max_len = max_model_len or arch.max_position_embeddings or 2048
+
+    rows: list[LayerGroupRow] = []
+    keyed: dict[tuple, list[int]] = {}
+    meta: dict[tuple, tuple] = {}
+    errors: list[str] = []
+    for spec in arch.layers:
+        entries = layer_specs(spec, model_dtype, cache)
+        comps = tuple((name, s.bytes_per_token) for name, s in entries if s.bytes_per_token)
+        state = sum(s.bytes_per_sequence for _, s in entries)
+        try:
+            sel = _select(spec, model_dtype, kv_dtype, cache, platform, attention_backend)
+        except BackendSelectionError as e:
+            errors.append(str(e))
+            continue
+        kind = spec.kind.value
+        key = (kind, comps, state, spec.window, sel.name, sel.passed_over)
+        keyed.setdefault(key, []).append(spec.index)
+        policy = "state" if spec.kind.is_state else kind if spec.kind.is_mla else (
+            "sliding" if spec.window else "full")
+        meta[key] = (comps, state, sel, _OFFLOAD[policy])
+    if errors:
+        unique = list(dict.fromkeys(errors))
+        raise BackendSelectionError("\n".join(unique))
+    for key, ids in keyed.items():
+        comps, state, sel, offload = meta[key]
+        rows.append(LayerGroupRow(kind=key[0], num_layers=len(ids), layer_ids=tuple(ids),
+                                  bytes_per_token_per_layer=sum(b for _, b in comps), components=comps,
+                                  state_bytes_per_sequence_per_layer=state, window=key[3], backend=sel.name,
+                                  passed_over=sel.passed_over, offload=offload))
+    notes = []
+    if not use_mla and arch.is_mla:
+        notes.append("MLA disabled: sparse-MLA layers keep their latent cache")
+    notes.append("KV offloading tiers are not implemented in this version; the offload column "
+                 "says what each cache kind would hold")
+    return InspectReport(
+        name=path.stem.replace("__", "/") if path.name != "config.json" else str(path.parent),
+        arch=arch, platform=platform, dtype=model_dtype, kv_cache_dtype=kv_dtype, block_size=block_size,
+        max_model_len=max_len, rows=rows,
+        kv_bytes_per_token=sum(g.bytes_per_token for g in groups),
+        state_bytes_per_sequence=sum(g.bytes_per_sequence_state for g in groups),
+        bytes_per_sequence=sequence_bytes(groups, max_len),
+        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes)
+
+
+# --- the plot -----------------------------------------------------------------------------
+
+def _as_variant(arch: ModelArch, variant: str) -> ModelArch | None:
+    """The same model with another attention mechanism, for the memory comparison."""
+    heads = arch.num_heads
+    layers = []
+    for s in arch.layers:
+        if not s.kind.is_attention:
+            layers.append(s)
+            continue
+        hd, hv = s.head_size, s.head_size_v
+        kind = LayerKind.SLIDING if s.window else LayerKind.FULL
+        if variant == "MHA":
+            layers.append(replace(s, kind=kind, num_kv_heads=s.num_heads, indexer=None))
+        elif variant == "GQA":
+            if heads <= 8 or heads % 8:
+                return None
+            layers.append(replace(s, kind=kind, num_kv_heads=8, indexer=None))
+        elif variant == "MQA":
+            layers.append(replace(s, kind=kind, num_kv_heads=1, indexer=None))
+        elif variant == "MLA":
+            layers.append(replace(s, kind=LayerKind.MLA, window=None, indexer=None,
+                                  mla=MLADims(None, 512, hd, 64, hv)))
+        else:
+            raise ValueError(variant)
+    return replace(arch, layers=tuple(layers))
+
+
+def plot_kv_memory(report: InspectReport, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'attnserve[plot]'") from e
+    arch = report.arch
+    cache = CacheConfig(block_size=report.block_size, kv_cache_dtype=report.kv_cache_dtype)
+    max_len = max(report.max_model_len, 1024)
+    xs = []
+    n = 1024
+    while n < max_len:
+        xs.append(n)
+        n *= 2
+    xs.append(max_len)
+    own = arch.attention_mechanism.value
+    curves = {f"as configured ({arch.mechanism.value})": arch}
+    for variant in ("MHA", "GQA", "MQA", "MLA"):
+        if variant == own or (variant == "MLA" and arch.is_mla):
+            continue
+        v = _as_variant(arch, variant)
+        if v is not None:
+            curves[f"as {variant}" + (" (8 KV heads)" if variant == "GQA" else "")] = v
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, a in curves.items():
+        groups = group_entries(cache_entries(a, cache, report.dtype))
+        ax.plot(xs, [sequence_bytes(groups, x) / GIB for x in xs], marker="o", ms=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(f"KV cache per sequence (GiB, {report.kv_cache_dtype})")
+    ax.set_title(f"{report.name}: KV memory by attention mechanism")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def dumps(report: InspectReport) -> str:
+    return json.dumps(report.to_json(), indent=2)

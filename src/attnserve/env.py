@@ -1,0 +1,48 @@
+"""The only reader of ``os.environ`` in attnserve: a short, typed list of debug switches.
+
+Engine knobs live in ``EngineConfig``; these variables exist for debugging and for the
+few fallbacks that a user must be able to force without touching code.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "mla_disabled",
+    "triton_interpret",
+    "log_level",
+    "force_platform",
+    "cpu_threads",
+]
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def mla_disabled() -> bool:
+    """``ATTNSERVE_MLA_DISABLE=1``: run MLA models with an expanded K/V cache."""
+    return _flag("ATTNSERVE_MLA_DISABLE")
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through the interpreter."""
+    return _flag("TRITON_INTERPRET")
+
+
+def log_level() -> str:
+    """``ATTNSERVE_LOG_LEVEL`` (default WARNING)."""
+    return os.environ.get("ATTNSERVE_LOG_LEVEL", "WARNING").upper()
+
+
+def force_platform() -> str | None:
+    """``ATTNSERVE_PLATFORM=cpu|cuda|rocm``: override platform detection (tests, debugging)."""
+    value = os.environ.get("ATTNSERVE_PLATFORM", "").strip().lower()
+    return value or None
+
+
+def cpu_threads() -> int | None:
+    """``ATTNSERVE_CPU_THREADS``: torch intra-op threads on CPU (default: torch's choice)."""
+    value = os.environ.get("ATTNSERVE_CPU_THREADS", "").strip()
+    return int(value) if value else None

@@ -1,0 +1,129 @@
+"""From a ModelArch to cache entries, KV cache groups, and the memory a sequence needs.
+
+Each cache-owning layer declares one entry per thing it caches. Entries whose block tables
+follow the same policy (full, a given sliding window, or per-sequence state) form a group. The
+byte arithmetic here is shared by ``attnserve inspect`` and by the allocator, so that what
+inspect promises is what the engine allocates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from attnserve.arch import LayerKind, LayerSpec, ModelArch
+from attnserve.config import CacheConfig
+from attnserve.kvcache.spec import (
+    FullAttentionSpec,
+    IndexerCacheSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    StateSpec,
+    resolve_cache_dtype,
+)
+
+__all__ = ["CacheEntry", "KVCacheGroup", "cache_entries", "group_entries", "layer_specs"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    layer: int
+    name: str  # kv | latent | indexer | state
+    spec: KVCacheSpec
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    group_id: int
+    policy: str  # full | sliding | state
+    window: int | None
+    entries: tuple[CacheEntry, ...]
+
+    @property
+    def block_size(self) -> int:
+        return self.entries[0].spec.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(e.spec.bytes_per_token for e in self.entries)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block id costs in this group: one page in every entry."""
+        return sum(e.spec.page_size_bytes for e in self.entries)
+
+    @property
+    def bytes_per_sequence_state(self) -> int:
+        return sum(e.spec.bytes_per_sequence for e in self.entries)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` holds at most in this group."""
+        if self.policy == "state":
+            return 1
+        blocks = math.ceil(num_tokens / self.block_size)
+        if self.policy == "sliding":
+            spec = self.entries[0].spec
+            assert isinstance(spec, SlidingWindowSpec)
+            blocks = min(blocks, spec.max_blocks_per_sequence())
+        return blocks
+
+    def bytes_for(self, num_tokens: int) -> int:
+        return self.blocks_for(num_tokens) * self.page_size_bytes
+
+
+def layer_specs(spec: LayerSpec, model_dtype: str, cache: CacheConfig) -> list[tuple[str, KVCacheSpec]]:
+    """The cache entries one layer owns, as (name, spec)."""
+    kv_dtype = resolve_cache_dtype(cache.kv_cache_dtype, model_dtype)
+    bs = cache.block_size
+    kind = spec.kind
+    if kind is LayerKind.FULL:
+        return [("kv", FullAttentionSpec(block_size=bs, dtype=kv_dtype, num_kv_heads=spec.num_kv_heads,
+                                         head_size=spec.head_size, head_size_v=spec.head_size_v))]
+    if kind is LayerKind.SLIDING:
+        return [("kv", SlidingWindowSpec(block_size=bs, dtype=kv_dtype, num_kv_heads=spec.num_kv_heads,
+                                         head_size=spec.head_size, head_size_v=spec.head_size_v,
+                                         sliding_window=spec.window))]
+    if kind.is_mla:
+        assert spec.mla is not None
+        out: list[tuple[str, KVCacheSpec]] = [
+            ("latent", MLAAttentionSpec(block_size=bs, dtype=kv_dtype, kv_lora_rank=spec.mla.kv_lora_rank,
+                                        qk_rope_head_dim=spec.mla.qk_rope_head_dim))]
+        if spec.indexer is not None and spec.indexer.has_cache:
+            idx_dtype = cache.indexer_cache_dtype
+            if idx_dtype == "auto":
+                idx_dtype = "fp8" if kv_dtype == "fp8" else model_dtype
+            out.append(("indexer", IndexerCacheSpec(block_size=bs, dtype=resolve_cache_dtype(idx_dtype, model_dtype),
+                                                    head_dim=spec.indexer.head_dim)))
+        return out
+    assert spec.state is not None
+    conv_dtype = model_dtype if kv_dtype == "fp8" else kv_dtype
+    return [("state", StateSpec(block_size=bs, dtype=conv_dtype, conv_shapes=spec.state.conv,
+                                recurrent_shapes=spec.state.recurrent,
+                                recurrent_dtype=resolve_cache_dtype(cache.mamba_ssm_cache_dtype, model_dtype)))]
+
+
+def cache_entries(arch: ModelArch, cache: CacheConfig, model_dtype: str | None = None) -> list[CacheEntry]:
+    dtype = model_dtype or arch.dtype
+    return [CacheEntry(layer=s.index, name=name, spec=spec)
+            for s in arch.layers for name, spec in layer_specs(s, dtype, cache)]
+
+
+def group_entries(entries: list[CacheEntry]) -> list[KVCacheGroup]:
+    """Entries with the same block-table policy (and window) share one group, in layer order."""
+    order: list[tuple[str, int | None]] = []
+    members: dict[tuple[str, int | None], list[CacheEntry]] = {}
+    for e in entries:
+        window = e.spec.sliding_window if isinstance(e.spec, SlidingWindowSpec) else None
+        key = (e.spec.policy, window)
+        if key not in members:
+            order.append(key)
+            members[key] = []
+        members[key].append(e)
+    return [KVCacheGroup(group_id=i, policy=k[0], window=k[1], entries=tuple(members[k]))
+            for i, k in enumerate(order)]
+
+
+def sequence_bytes(groups: list[KVCacheGroup], num_tokens: int) -> int:
+    """Cache bytes one sequence of ``num_tokens`` holds at most, over every group."""
+    return sum(g.bytes_for(num_tokens) for g in groups)
