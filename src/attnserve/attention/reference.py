@@ -34,8 +34,14 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = (k[keep].float() / k_scale).to(key_cache.dtype)
-    value_cache[blocks, offsets] = (v[keep].float() / v_scale).to(value_cache.dtype)
+    kq = (k[keep].float() / k_scale).to(key_cache.dtype)
+    vq = (v[keep].float() / v_scale).to(value_cache.dtype)
+    if key_cache.dtype == torch.float8_e4m3fn:  # index float8 through its bytes
+        key_cache.view(torch.uint8)[blocks, offsets] = kq.view(torch.uint8)
+        value_cache.view(torch.uint8)[blocks, offsets] = vq.view(torch.uint8)
+    else:
+        key_cache[blocks, offsets] = kq
+        value_cache[blocks, offsets] = vq
 
 
 def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, scale: float = 1.0) -> torch.Tensor:
@@ -43,6 +49,8 @@ def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, 
     block_size = cache.shape[1]
     pos = torch.arange(seq_len, device=cache.device)
     blocks = block_table_row.long()[pos // block_size]
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[blocks, pos % block_size].view(cache.dtype).float() * scale
     return cache[blocks, pos % block_size].float() * scale
 
 

@@ -1,0 +1,151 @@
+"""LLMEngine: the step loop. Requests in, ``RequestOutput`` objects out.
+
+``add_request`` validates and queues a request; ``step`` schedules, runs the model once,
+updates the scheduler and turns new tokens into outputs; ``abort_request`` stops requests and
+frees their blocks at once. The engine knows requests, the scheduler and the runner; it never
+touches model code and knows no server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from attnserve.config import EngineConfig
+from attnserve.engine.output import CompletionState, RequestState, make_detokenizer
+from attnserve.engine.request import Request, RequestStatus
+from attnserve.engine.scheduler import Scheduler
+from attnserve.outputs import RequestOutput
+from attnserve.runner.builder import EngineParts, build_engine_parts
+from attnserve.sampling_params import SamplingParams
+
+__all__ = ["LLMEngine", "PromptError"]
+
+logger = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot serve (empty, too long, bad token ids)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None):
+        self.config = config
+        self.parts = parts or build_engine_parts(config)
+        self.arch = self.parts.arch
+        self.tokenizer = self.parts.tokenizer
+        self.max_model_len = self.parts.max_model_len
+        self.scheduler = Scheduler(config.scheduler, self.parts.kv_manager, self.max_model_len)
+        self.runner = self.parts.runner
+        self.states: dict[str, RequestState] = {}
+        self._child_to_state: dict[str, tuple[RequestState, CompletionState]] = {}
+        self._ids = itertools.count()
+
+    @property
+    def kv_manager(self):
+        return self.parts.kv_manager
+
+    # --- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise PromptError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PromptError("this model has no tokenizer: pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise PromptError("prompt token ids must be integers")
+        return None, ids
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict[str, Any],
+                    params: SamplingParams | None = None) -> str:
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        self._validate(ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.states:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        completions = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = SamplingParams(**{**_params_dict(params), "n": 1,
+                                                 "seed": None if params.seed is None else params.seed + i})
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(child_id, ids, child_params, eos_token_ids=self.arch.eos_token_ids,
+                          block_size=self.config.cache.block_size, prompt=text)
+            completions.append(CompletionState(req, i, make_detokenizer(self.tokenizer, req)))
+        state = RequestState(request_id, text, ids, completions, self.tokenizer)
+        self.states[request_id] = state
+        for c in completions:
+            self._child_to_state[c.request.request_id] = (state, c)
+            self.scheduler.add_request(c.request)
+        return request_id
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise PromptError("the prompt is empty")
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            raise PromptError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise PromptError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                              f"(the prompt and at least one generated token must fit)")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self.states.pop(rid, None)
+            if state is None:
+                continue
+            for c in state.completions:
+                self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ABORTED)
+                self._forget(c.request.request_id)
+
+    def _forget(self, child_id: str) -> None:
+        self._child_to_state.pop(child_id, None)
+        self.scheduler.release(child_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    # --- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        run_out = self.runner.execute(sched_out)
+        for rid, entries in run_out.prompt_logprobs.items():
+            state, c = self._child_to_state[rid]
+            c.request.num_prompt_logprobs_done += len(entries)
+            if c.index == 0:
+                state.add_prompt_logprobs(entries)
+        progressed = self.scheduler.update(sched_out, run_out.sampled)
+        touched: dict[str, RequestState] = {}
+        for req in progressed:
+            state, c = self._child_to_state[req.request_id]
+            stop = state.add_token(c, run_out.logprobs.get(req.request_id))
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            if req.is_finished:
+                state.finish(c)
+            touched[state.request_id] = state
+        outputs = []
+        for rid, state in touched.items():
+            outputs.append(state.to_output())
+            if state.finished:
+                del self.states[rid]
+                for c in state.completions:
+                    self._forget(c.request.request_id)
+        return outputs
+
+
+def _params_dict(p: SamplingParams) -> dict[str, Any]:
+    return {k: getattr(p, k) for k in p.__dataclass_fields__ if not k.startswith("_")}

@@ -1,0 +1,122 @@
+"""From engine tokens to user outputs: detokenisation, stop strings, logprobs, ``n`` children.
+
+One ``RequestState`` per user request accumulates text and logprobs per completion and builds
+cumulative ``RequestOutput`` objects. Stop strings are found here, on the text; the engine then
+finishes the request in the scheduler. This file knows tokens and text, not blocks or tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from attnserve.detokenizer import IncrementalDetokenizer, decode_token
+from attnserve.engine.request import Request
+from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
+from attnserve.runner.model_runner import TokenLogprobs
+
+__all__ = ["CompletionState", "RequestState"]
+
+
+@dataclass(slots=True)
+class CompletionState:
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    _scan_from: int = 0  # where the stop-string search resumes
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[CompletionState]
+    tokenizer: object
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+        self.prompt_logprobs.extend(self._to_dict(e) for e in entries)
+
+    def _to_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        ids, lps, rank = entry
+        out: dict[int, Logprob] = {}
+        for j, (tid, lp) in enumerate(zip(ids, lps)):
+            if tid in out:
+                continue
+            # entry 0 is the chosen token with its own rank; the others are the top-k in order
+            out[tid] = Logprob(lp, rank if j == 0 else j, decode_token(self.tokenizer, tid) if self.tokenizer else None)
+        return out
+
+    def add_token(self, c: CompletionState, token_logprobs: TokenLogprobs | None) -> str | None:
+        """Account for a new token of completion ``c``; returns a stop string it completed."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        token = c.request.output_token_ids[-1]
+        if token_logprobs is not None:
+            c.logprobs = c.logprobs or []
+            c.logprobs.append(self._to_dict(token_logprobs))
+            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + token_logprobs[1][0]
+        if c.detok is None:
+            return None
+        c.text += c.detok.step([token])
+        return self._check_stop_strings(c)
+
+    def _check_stop_strings(self, c: CompletionState) -> str | None:
+        params = c.request.sampling_params
+        if not params.stop:
+            return None
+        longest = max(len(s) for s in params.stop)
+        start = max(c._scan_from - longest + 1, 0)
+        best: tuple[int, str] | None = None
+        for s in params.stop:
+            at = c.text.find(s, start)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, s)
+        c._scan_from = len(c.text)
+        if best is None:
+            return None
+        at, s = best
+        c.text = c.text[: at + len(s)] if params.include_stop_str_in_output else c.text[:at]
+        return s
+
+    def finish(self, c: CompletionState) -> None:
+        if c.finish_reason is None:
+            c.finish_reason = c.request.status.value
+            c.stop_reason = c.request.stop_reason
+            if c.detok is not None and c.finish_reason != "stop":
+                c.text += c.detok.flush()
+
+    def to_output(self) -> RequestOutput:
+        outs = [CompletionOutput(index=c.index, text=c.text, token_ids=list(c.request.output_token_ids),
+                                 cumulative_logprob=c.cumulative_logprob,
+                                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                for c in self.completions]
+        first = self.completions[0].request
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None:
+            metrics["time_to_first_token"] = self.first_token_time - self.arrival_time
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             prompt_logprobs=self.prompt_logprobs, outputs=outs, finished=self.finished,
+                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
+
+
+def make_detokenizer(tokenizer, request: Request) -> IncrementalDetokenizer | None:
+    if tokenizer is None or not request.sampling_params.detokenize:
+        return None
+    return IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                  skip_special_tokens=request.sampling_params.skip_special_tokens)

@@ -1,0 +1,99 @@
+"""A request inside the engine: its tokens, how far it is computed, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from attnserve.kvcache.block_pool import BlockHash, hash_block_tokens
+from attnserve.sampling_params import SamplingParams
+
+__all__ = ["Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    block_size: int = 16
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not scheduled yet)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    # prompt logprobs are computed once even if the request is preempted and recomputed
+    num_prompt_logprobs_done: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.sampling_params.seed)
+        self._all_token_ids = list(self.prompt_token_ids)
+        self._update_block_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, so such requests compute it all."""
+        return self.wants_prompt_logprobs
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        full = len(self._all_token_ids) // self.block_size
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        for i in range(len(self.block_hashes), full):
+            parent = hash_block_tokens(parent, self._all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self.block_hashes.append(parent)

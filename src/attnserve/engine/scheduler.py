@@ -1,0 +1,207 @@
+"""Continuous batching with a token budget, chunked prefill, prefix caching and preemption.
+
+Each step the scheduler gives every running request its next tokens (a decode token or the
+next prefill chunk), in admission order, then admits waiting requests while the budget, the
+sequence limit and the KV cache allow. When the cache cannot hold a running request's next
+tokens, the most recently admitted request is preempted by recompute: its blocks are freed
+and it rejoins the front of the queue, to recompute prompt and output when it resumes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from attnserve.engine.request import Request, RequestStatus
+from attnserve.kvcache.kv_cache_manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from attnserve.config import SchedulerConfig
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[list[int]]  # per KV cache group
+
+    @property
+    def start(self) -> int:
+        """Position of the first token scheduled this step."""
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a token is sampled."""
+        return self.start + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    steps: int = 0
+    history: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id '{request.request_id}' is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if len(self.running) == 1:  # alone: a smaller prefill chunk may fit where all does not
+                num_new = self._fit(req, num_new)
+            if not num_new or not self.kv.allocate_slots(req, num_new):
+                victim = self._preempt_for(req)
+                preempted.extend(victim)
+                if req.request_id in victim:
+                    break
+                continue  # retry the same request with the freed blocks
+            scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            budget -= num_new
+            i += 1
+        if not preempted:
+            budget = self._admit(scheduled, budget)
+        self.stats.steps += 1
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _fit(self, req: Request, num_new: int, num_cached: int = 0, hits=None) -> int:
+        """The largest chunk (halving from ``num_new``) the free blocks can hold; 0 if none."""
+        while num_new > 0 and not self.kv.can_allocate(req, num_new, num_cached, hits):
+            num_new //= 2
+        return num_new
+
+    def _preempt_for(self, req: Request) -> list[str]:
+        """Preempt the lowest-priority running request (the last admitted) to free blocks."""
+        victim = self.running.pop()
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return [victim.request_id]
+
+    def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.running and self.config.enable_chunked_prefill:
+                # nothing runs that could free blocks: take the largest chunk that fits
+                num_new = self._fit(req, num_new, num_cached, hits)
+            if not num_new or not self.kv.allocate_slots(req, num_new, num_cached, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+                self.stats.prefix_hit_tokens += num_cached
+                self.stats.prompt_tokens += req.num_prompt_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            budget -= num_new
+        return budget
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Account for an executed step: advance computed tokens, append sampled tokens, stop
+        finished requests and free their blocks. Returns the requests that got a token."""
+        progressed = []
+        for s in output.scheduled:
+            req = s.request
+            if req.is_finished or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            if req.request_id not in sampled:
+                continue
+            req.append_output_token(sampled[req.request_id])
+            progressed.append(req)
+            self._check_stop(req)
+            if req.is_finished:
+                self._remove_running(req)
+        return progressed
+
+    def _check_stop(self, req: Request) -> None:
+        params = req.sampling_params
+        token = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return
+        if (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) \
+                or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    def finish(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish a request from outside (abort, stop string); frees its blocks at once."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        if req in self.running:
+            self._remove_running(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        req.stop_reason = stop_reason
+
+    def _remove_running(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request once its output has been delivered."""
+        req = self.requests.get(request_id)
+        if req is not None and req.is_finished:
+            del self.requests[request_id]

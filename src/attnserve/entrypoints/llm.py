@@ -1,0 +1,108 @@
+"""The offline Python API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` as in vLLM."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from attnserve.config import EngineConfig
+from attnserve.engine.engine import LLMEngine
+from attnserve.outputs import RequestOutput
+from attnserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "GenerateStats"]
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateStats:
+    num_requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    elapsed: float
+
+    @property
+    def prompt_throughput(self) -> float:
+        return self.prompt_tokens / self.elapsed if self.elapsed else 0.0
+
+    @property
+    def generation_throughput(self) -> float:
+        return self.generated_tokens / self.elapsed if self.elapsed else 0.0
+
+
+class LLM:
+    """An engine for offline batches. Every engine flag is a keyword (vLLM's names)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        if model is None:
+            from attnserve.presets import DEFAULT_MODEL
+
+            model = DEFAULT_MODEL
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        self.last_stats: GenerateStats | None = None
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Every prompt is validated before any is queued, so a bad prompt leaves nothing half-done.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.llm_engine
+        tokenized = [engine.tokenize(p) for p in prompts]
+        for (_, ids), p in zip(tokenized, params):
+            engine._validate(ids, p)
+        order = []
+        start = time.perf_counter()
+        for (text, ids), p in zip(tokenized, params):
+            prompt: PromptType = {"prompt_token_ids": ids}
+            rid = engine.add_request(None, prompt, p)
+            engine.states[rid].prompt = text
+            order.append(rid)
+        finals: dict[str, RequestOutput] = {}
+        bar = _progress(len(order)) if use_tqdm else None
+        generated = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"gen {generated / (time.perf_counter() - start):.1f} tok/s")
+        if bar is not None:
+            bar.close()
+        elapsed = time.perf_counter() - start
+        self.last_stats = GenerateStats(len(order), sum(len(ids) for _, ids in tokenized), generated, elapsed)
+        return [finals[rid] for rid in order]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        tok = self.get_tokenizer()
+        batch = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [tok.apply_chat_template(m, add_generation_prompt=add_generation_prompt) for m in batch]
+        return self.generate([{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
+                             sampling_params, use_tqdm=use_tqdm)
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

@@ -1,0 +1,116 @@
+"""KVCacheManager: the scheduler's view of the KV cache across every group.
+
+It answers three questions for the scheduler: how much of a prompt is already cached
+(``get_computed_blocks``), can these new tokens get slots (``allocate_slots``, all groups or
+none), and give a request's blocks back (``free``). One block pool serves every group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attnserve.kvcache.block_pool import BlockPool, KVCacheBlock
+from attnserve.kvcache.groups import KVCacheGroup
+from attnserve.kvcache.managers import SingleTypeManager, create_manager
+
+if TYPE_CHECKING:
+    from attnserve.engine.request import Request
+
+__all__ = ["KVCacheManager"]
+
+
+class KVCacheManager:
+    def __init__(self, groups: list[KVCacheGroup], num_blocks: int, enable_caching: bool = True):
+        if not groups:
+            raise ValueError("a KV cache manager needs at least one group")
+        self.groups = groups
+        self.block_size = groups[0].block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.managers: list[SingleTypeManager] = [create_manager(g, self.pool) for g in groups]
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+        """Cache hits for a request that holds no blocks: per-group blocks and the hit length.
+
+        The last prompt token is always recomputed (its logits start the generation), so a hit
+        covers at most ``num_tokens - 1`` tokens, in whole blocks, the same length in every group.
+        """
+        empty: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        if not self.enable_caching or request.skip_prefix_cache:
+            return empty, 0
+        self.pool.num_queries += request.num_tokens
+        length = request.num_tokens - 1
+        hits = empty
+        while True:  # shrink until every group agrees on one length
+            hits = [m.find_longest_cache_hit(request.block_hashes, length) for m in self.managers]
+            agreed = min(len(h) for h in hits) * self.block_size
+            if agreed == length or agreed == 0 or all(len(h) * self.block_size == agreed for h in hits):
+                length = agreed
+                break
+            length = agreed
+        hits = [h[: length // self.block_size] for h in hits]
+        self.pool.num_hits += length
+        return hits, length
+
+    def can_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                     new_computed_blocks: list[list[KVCacheBlock]] | None = None) -> bool:
+        """Whether ``allocate_slots`` would succeed (blocks a window would drop count as free)."""
+        new_computed = new_computed_blocks or [[] for _ in self.managers]
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        needed = sum(m.num_blocks_to_allocate(request.request_id, total, hits)
+                     for m, hits in zip(self.managers, new_computed))
+        droppable = sum(m.num_skippable_blocks(request.request_id, request.num_computed_tokens)
+                        for m in self.managers)
+        return needed <= self.pool.num_free_blocks + droppable
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: list[list[KVCacheBlock]] | None = None) -> bool:
+        """Give the request room for ``num_new_tokens`` more tokens in every group, or nothing.
+
+        Returns:
+            False when the pool cannot hold them (the caller preempts or waits); True otherwise.
+        """
+        new_computed = new_computed_blocks or [[] for _ in self.managers]
+        rid = request.request_id
+        for m in self.managers:
+            m.remove_skipped_blocks(rid, request.num_computed_tokens)
+        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        needed = sum(m.num_blocks_to_allocate(rid, total_tokens, hits)
+                     for m, hits in zip(self.managers, new_computed))
+        if needed > self.pool.num_free_blocks:
+            return False
+        for m, hits in zip(self.managers, new_computed):
+            m.save_new_computed_blocks(rid, hits)
+            m.allocate_new_blocks(rid, total_tokens)
+        if self.enable_caching:
+            # blocks that are full once this step runs; their content is written before any
+            # request of the same step reads it (each layer writes all new K/V, then attends)
+            cached_len = min(total_tokens, request.num_tokens)
+            for m in self.managers:
+                m.cache_blocks(rid, request.block_hashes, cached_len)
+        return True
+
+    def free(self, request: Request) -> None:
+        for m in self.managers:
+            m.free(request.request_id)
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        return [[b.block_id for b in m.blocks_of(request_id)] for m in self.managers]
+
+    def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks one sequence of ``num_tokens`` needs at once, over every group."""
+        return sum(g.blocks_for(num_tokens) for g in self.groups)
+
+    def check_integrity(self) -> None:
+        """Pool consistency, and each block's ref count equals the requests that hold it."""
+        owners: dict[int, int] = {}
+        for m in self.managers:
+            for blocks in m.req_to_blocks.values():
+                for b in blocks:
+                    if not b.is_null:
+                        owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        self.pool.check_integrity(owners)

@@ -1,0 +1,52 @@
+"""The attention layer of standard models: holds its spec, and delegates to its backend.
+
+The model computes q, k, v (projections and RoPE); this layer hands them to the backend chosen
+for its KV cache group, with the layer's cache and the step's metadata. ALiBi slopes, learned
+sinks and soft-capping are layer properties the backend reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnserve.arch import LayerSpec
+from attnserve.runner.forward_context import get_forward_context
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: LayerSpec, *, sinks: bool = False, alibi_slopes: torch.Tensor | None = None):
+        super().__init__()
+        self.layer_id = spec.index
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_size = spec.head_size
+        self.head_size_v = spec.head_size_v
+        self.scale = spec.scale
+        self.window = spec.window
+        self.softcap = spec.softcap
+        self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if sinks else None
+        if alibi_slopes is not None:
+            self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)
+        else:
+            self.alibi_slopes = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        # bound by the model runner once the KV cache is allocated
+        self.backend: Any = None
+        self.group_id: int = -1
+        self.kv_cache: Any = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H*D], k [T, Hkv*D], v [T, Hkv*Dv] -> [T, H*Dv]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        v = v.view(t, self.num_kv_heads, self.head_size_v)
+        meta = get_forward_context().attn_metadata[self.group_id]
+        out = self.backend.forward(self, q, k, v, self.kv_cache, meta)
+        return out.reshape(t, self.num_heads * self.head_size_v)

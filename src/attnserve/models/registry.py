@@ -1,0 +1,34 @@
+"""Model families: HF ``model_type`` -> the attnserve implementation, imported when used."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from attnserve.arch import ModelArch
+
+__all__ = ["MODEL_REGISTRY", "get_model_class", "supported_model_types"]
+
+MODEL_REGISTRY: dict[str, str] = {
+    "llama": "attnserve.models.llama:LlamaForCausalLM",
+    "mistral": "attnserve.models.llama:LlamaForCausalLM",
+    "qwen2": "attnserve.models.llama:LlamaForCausalLM",
+    "qwen3": "attnserve.models.llama:LlamaForCausalLM",
+    "phi3": "attnserve.models.llama:LlamaForCausalLM",
+    "starcoder2": "attnserve.models.llama:LlamaForCausalLM",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(arch: ModelArch) -> type[nn.Module]:
+    target = MODEL_REGISTRY.get(arch.model_type)
+    if target is None:
+        raise ValueError(f"model_type '{arch.model_type}' has no attnserve implementation yet "
+                         f"(implemented: {', '.join(supported_model_types())}); "
+                         f"`attnserve inspect` still reads its config")
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)

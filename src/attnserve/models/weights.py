@@ -1,0 +1,98 @@
+"""Reading checkpoints and filling parameters: safetensors (single file or sharded), dummy init.
+
+A model maps each checkpoint name to one of its parameters (and a shard of it, for fused
+projections); each parameter's ``weight_loader`` puts the tensor in place. Missing or
+unexpected tensors and unreadable files are errors that name the tensor or the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from attnserve.layers.linear import default_weight_loader
+
+__all__ = ["dummy_init", "iter_safetensors", "load_named_weights"]
+
+Target = tuple[str, object] | str | None
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: malformed safetensors index ({e})") from e
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that do not exist: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no weights in {model_dir} (model.safetensors or its index); "
+                                f"use load_format='dummy' for random weights")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    for path in _weight_files(Path(model_dir)):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path}: cannot read safetensors file ({e})") from e
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       rename: Callable[[str], Target], *, optional: Iterable[str] = ()) -> None:
+    """Load every checkpoint tensor through ``rename`` (None skips it) and check none is missing.
+
+    Raises:
+        ValueError: a tensor maps to no parameter, has the wrong shape, or a parameter got nothing.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        target = rename(hf_name)
+        if target is None:
+            continue
+        name, shard = (target, None) if isinstance(target, str) else target
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor '{hf_name}' maps to '{name}', which the model does not have")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard is None:
+                loader(param, tensor.to(param.dtype))
+            else:
+                loader(param, tensor.to(param.dtype), shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor '{hf_name}': {e}") from e
+        loaded.add(name)
+    missing = sorted(set(params) - loaded - set(optional))
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"the checkpoint has no weights for: {shown}")
+
+
+def dummy_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights of the right shapes: matrices ~ N(0, std); vectors keep their init
+    (norm weights 1 or 0, biases 0)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))

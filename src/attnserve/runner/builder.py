@@ -1,0 +1,153 @@
+"""Wiring an engine together from its config: model, tokenizer, backends, KV cache, runner.
+
+The order matters and is the same on every platform: read the architecture, pick the device
+and dtype, build the model and load its weights, group the cache entries and choose one
+backend per group, size the block pool from the memory left, allocate and bind the caches.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attnserve import env
+from attnserve.arch import ModelArch, load_hf_config
+from attnserve.attention.backend import AttentionBackend, BackendRequest
+from attnserve.attention.registry import load_backend, select_backend
+from attnserve.config import EngineConfig
+from attnserve.kvcache.groups import KVCacheGroup, cache_entries, group_entries
+from attnserve.kvcache.kv_cache_manager import KVCacheManager
+from attnserve.models.registry import get_model_class
+from attnserve.models.weights import dummy_init, iter_safetensors
+from attnserve.platforms import Platform, current_platform, get_platform
+from attnserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
+from attnserve.runner.model_runner import ModelRunner
+
+__all__ = ["EngineParts", "build_engine_parts", "resolve_model_dir"]
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineParts:
+    arch: ModelArch
+    model_dir: Path
+    tokenizer: object
+    max_model_len: int
+    device: torch.device
+    dtype: str
+    platform: Platform
+    groups: list[KVCacheGroup]
+    backend_names: list[str]
+    num_blocks: int
+    kv_manager: KVCacheManager
+    runner: ModelRunner
+
+
+def resolve_model_dir(model: str) -> Path:
+    from attnserve.presets import resolve_model_preset
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    preset = resolve_model_preset(model)
+    if preset is not None:
+        return preset
+    raise FileNotFoundError(f"model '{model}' is not a directory with a config.json (nothing is downloaded; "
+                            f"pass a local Hugging Face model directory)")
+
+
+def _device_and_platform(config: EngineConfig) -> tuple[torch.device, Platform]:
+    if config.model.device:
+        device = torch.device(config.model.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device '{config.model.device}' was asked for, but CUDA is not available here")
+        name = "cpu" if device.type == "cpu" else ("rocm" if getattr(torch.version, "hip", None) else "cuda")
+        return device, get_platform(name)
+    platform = current_platform()
+    return torch.device("cuda" if platform.device_type == "cuda" else "cpu"), platform
+
+
+def _select_backends(arch: ModelArch, groups: list[KVCacheGroup], dtype: str, config: EngineConfig,
+                     platform: Platform) -> list[str]:
+    names = []
+    for g in groups:
+        specs = [arch.layers[e.layer] for e in g.entries]
+        chosen = set()
+        for spec in specs:
+            req = BackendRequest(kind=spec.kind, head_size=spec.head_size, dtype=dtype,
+                                 kv_cache_dtype=g.entries[0].spec.dtype, block_size=config.cache.block_size,
+                                 features=spec.features)
+            override = config.cache.attention_backend if spec.kind.is_attention else None
+            chosen.add(select_backend(req, platform, override).name)
+        if len(chosen) != 1:
+            raise ValueError(f"KV cache group {g.group_id} would need several backends: {sorted(chosen)}")
+        names.append(chosen.pop())
+    return names
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from attnserve.tokenizer import load_tokenizer
+
+    model_dir = resolve_model_dir(config.model.model)
+    arch = ModelArch.from_hf(load_hf_config(model_dir), use_mla=not env.mla_disabled())
+    device, platform = _device_and_platform(config)
+    dtype = arch.dtype if config.model.dtype == "auto" else config.model.dtype
+    max_len = config.model.max_model_len or arch.max_position_embeddings or 2048
+    if arch.max_position_embeddings and config.model.max_model_len and max_len > arch.max_position_embeddings:
+        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                       max_len, arch.max_position_embeddings)
+    tokenizer = load_tokenizer(model_dir)
+
+    groups = group_entries(cache_entries(arch, config.cache, dtype))
+    backend_names = _select_backends(arch, groups, dtype, config, platform)
+    backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
+
+    model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[dtype])
+    # sized once the weights are in memory, from what is left
+    needed = config.scheduler.max_num_seqs * sum(g.bytes_for(max_len) for g in groups) + \
+        sum(g.page_size_bytes for g in groups)
+    num_blocks = determine_num_blocks(groups, config.cache, device, needed)
+    kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
+    one_seq = kv.num_blocks_for_tokens(max_len)
+    if one_seq > num_blocks - 1:
+        raise ValueError(f"the KV cache holds {num_blocks - 1} blocks of {config.cache.block_size} tokens, "
+                         f"but one sequence of max_model_len={max_len} needs {one_seq}; lower max_model_len "
+                         f"or give the cache more memory")
+    allocate_kv_cache(model, groups, num_blocks, device, backends)
+    runner = ModelRunner(model, arch, groups, backends, device)
+    return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
+                       dtype=dtype, platform=platform, groups=groups, backend_names=backend_names,
+                       num_blocks=num_blocks, kv_manager=kv, runner=runner)
+
+
+def _build_model(arch: ModelArch, model_dir: Path, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype) -> torch.nn.Module:
+    cls = get_model_class(arch)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(arch)
+    finally:
+        torch.set_default_dtype(previous)
+    fmt = config.model.load_format
+    if fmt == "auto" and _is_weightless_preset(model_dir):
+        logger.warning("%s ships no weights: using seeded random weights", model_dir.name)
+        fmt = "dummy"
+    if fmt == "dummy":
+        dummy_init(model, config.model.seed)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
+    return model.eval()
+
+
+def _is_weightless_preset(model_dir: Path) -> bool:
+    from attnserve.presets import MODEL_DIR
+
+    return model_dir.resolve().parent == MODEL_DIR.resolve() and not any(model_dir.glob("*.safetensors"))

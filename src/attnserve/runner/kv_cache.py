@@ -1,0 +1,121 @@
+"""Sizing and allocating the KV cache tensors, and binding them to the model's layers.
+
+The number of blocks comes from a memory budget (CUDA: ``gpu_memory_utilization`` of the free
+memory after the weights; CPU: ``kv_cache_memory`` GiB or a share of free memory) or from
+``num_gpu_blocks_override``. Every cache entry gets one tensor of ``num_blocks`` pages, so a
+block id costs the sum of the entries' pages: the same arithmetic ``inspect`` reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from attnserve.config import CacheConfig
+from attnserve.kvcache.groups import KVCacheGroup
+from attnserve.kvcache.spec import (
+    FullAttentionSpec,
+    IndexerCacheSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+__all__ = ["allocate_kv_cache", "bytes_per_block", "determine_num_blocks", "torch_cache_dtype"]
+
+logger = logging.getLogger(__name__)
+GIB = 1024**3
+_CPU_DEFAULT_SHARE = 0.1
+_CPU_DEFAULT_CAP = 4 * GIB
+
+
+def torch_cache_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "fp8": torch.float8_e4m3fn}[name]
+
+
+def bytes_per_block(groups: list[KVCacheGroup]) -> int:
+    return sum(g.page_size_bytes for g in groups)
+
+
+def _cpu_available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GIB
+
+
+def determine_num_blocks(groups: list[KVCacheGroup], cache: CacheConfig, device: torch.device,
+                         needed_bytes: int) -> int:
+    """Blocks in the pool (the null block included).
+
+    Args:
+        needed_bytes: what ``max_num_seqs`` sequences of ``max_model_len`` tokens would use; the
+            CPU default budget never exceeds it, so tiny models do not allocate gigabytes.
+    """
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    per_block = bytes_per_block(groups)
+    if cache.kv_cache_memory is not None:
+        budget = int(cache.kv_cache_memory * GIB)
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cache.gpu_memory_utilization) - 512 * 1024**2  # room for activations
+    else:
+        budget = min(int(_cpu_available_bytes() * _CPU_DEFAULT_SHARE), _CPU_DEFAULT_CAP, needed_bytes)
+    num_blocks = budget // per_block + 1
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache budget ({budget / GIB:.3f} GiB) holds no block of "
+                         f"{per_block} bytes; raise kv_cache_memory or gpu_memory_utilization")
+    return num_blocks
+
+
+def _alloc(spec: KVCacheSpec, num_blocks: int, device: torch.device):
+    """One entry's paged tensors; the null block (0) is zeroed because padding reads it."""
+    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+        dtype = torch_cache_dtype(spec.dtype)
+        k = torch.empty(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=dtype, device=device)
+        v = torch.empty(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size_v, dtype=dtype, device=device)
+        k[0].zero_()
+        v[0].zero_()
+        return k, v
+    if isinstance(spec, (MLAAttentionSpec, IndexerCacheSpec)):
+        # fp8 rows are raw bytes in their documented layout; other dtypes are plain values
+        width = spec.bytes_per_token if spec.dtype == "fp8" else spec.bytes_per_token // spec.dtype_bytes
+        dtype = torch.uint8 if spec.dtype == "fp8" else torch_cache_dtype(spec.dtype)
+        t = torch.empty(num_blocks, spec.block_size, width, dtype=dtype, device=device)
+        t[0].zero_()
+        return t
+    raise NotImplementedError(f"no paged allocator for {type(spec).__name__}")
+
+
+def allocate_kv_cache(model: nn.Module, groups: list[KVCacheGroup], num_blocks: int, device: torch.device,
+                      backends: list) -> dict[tuple[int, str], object]:
+    """Allocate each entry's tensors and bind them, with the group's backend, to the layer."""
+    caches: dict[tuple[int, str], object] = {}
+    layer_group: dict[int, int] = {}
+    for g in groups:
+        for e in g.entries:
+            caches[(e.layer, e.name)] = _alloc(e.spec, num_blocks, device)
+            layer_group[e.layer] = g.group_id
+    for module in model.modules():
+        layer_id = getattr(module, "layer_id", None)
+        if layer_id is None or not hasattr(module, "kv_cache"):
+            continue
+        if layer_id not in layer_group:
+            raise RuntimeError(f"layer {layer_id} declares a cache but no KV cache group holds it")
+        gid = layer_group[layer_id]
+        module.group_id = gid
+        module.backend = backends[gid]
+        # standard layers get their (key_cache, value_cache); others a dict by entry name
+        own = {name: t for (lid, name), t in caches.items() if lid == layer_id}
+        module.kv_cache = own["kv"] if set(own) == {"kv"} else own
+    total = sum(t.numel() * t.element_size() for v in caches.values() for t in (v if isinstance(v, tuple) else (v,)))
+    logger.info("KV cache: %d blocks, %.3f GiB on %s", num_blocks, total / GIB, device)
+    return caches

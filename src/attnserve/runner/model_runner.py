@@ -1,0 +1,146 @@
+"""The model runner: one scheduled step in, sampled tokens (and logprobs) out.
+
+It owns the model, the KV cache tensors and one attention backend per KV cache group. Each
+step it lays the scheduled tokens out flat (decodes first), builds ``CommonAttentionMetadata``
+once, lets every group's backend derive its own metadata, runs the model inside the forward
+context, and samples from the logits of the rows that need a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnserve.arch import ModelArch
+from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from attnserve.kvcache.groups import KVCacheGroup
+from attnserve.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from attnserve.runner.forward_context import ForwardContext, forward_context
+
+__all__ = ["ModelRunner", "RunnerOutput", "TokenLogprobs"]
+
+# (token ids, logprobs, rank of the first id): the chosen/prompt token first, then the top-k
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, arch: ModelArch, groups: list[KVCacheGroup],
+                 backends: list[AttentionBackend], device: torch.device):
+        self.model = model
+        self.arch = arch
+        self.groups = groups
+        self.backends = backends
+        self.device = device
+        self.block_size = groups[0].block_size
+        self.sampler = Sampler()
+
+    # --- inputs -----------------------------------------------------------------------------
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, ForwardContext]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        qsl = [0]
+        seq_lens = []
+        slot_maps: list[list[int]] = [[] for _ in self.groups]
+        for s in scheduled:
+            start, n = s.start, s.num_new_tokens
+            ids.extend(s.request.all_token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            for g, blocks in enumerate(s.block_ids):
+                slot_maps[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+        dev = self.device
+        block_tables = []
+        for g in range(len(self.groups)):
+            width = max(len(s.block_ids[g]) for s in scheduled)
+            table = torch.zeros(len(scheduled), max(width, 1), dtype=torch.int32)
+            for i, s in enumerate(scheduled):
+                table[i, : len(s.block_ids[g])] = torch.tensor(s.block_ids[g], dtype=torch.int32)
+            block_tables.append(table.to(dev))
+        num_decodes = 0
+        while num_decodes < len(scheduled) and scheduled[num_decodes].num_new_tokens == 1:
+            num_decodes += 1
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev), seq_lens=seq_lens_t,
+            positions=positions, block_tables=block_tables,
+            slot_mappings=[torch.tensor(m, dtype=torch.int64, device=dev) for m in slot_maps],
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_decodes=num_decodes,
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))), max_seq_len=max(seq_lens))
+        query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], device=dev)
+        token_seq_lens = torch.repeat_interleave(seq_lens_t.long(), query_lens)
+        metas = [b.build_metadata(common, g) for g, b in enumerate(self.backends)]
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        return input_ids, ForwardContext(common=common, attn_metadata=metas, token_seq_lens=token_seq_lens)
+
+    # --- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        # decodes first: backends batch them together
+        scheduled = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, ctx = self._prepare(scheduled)
+        with forward_context(ctx):
+            hidden = self.model(input_ids, ctx.common.positions)
+        result = RunnerOutput()
+        qsl = ctx.common.query_start_loc_cpu
+        sample_rows, sample_reqs = [], []
+        for i, s in enumerate(scheduled):
+            if s.samples:
+                sample_rows.append(qsl[i + 1] - 1)
+                sample_reqs.append(s.request)
+        if sample_reqs:
+            self._sample(hidden, sample_rows, sample_reqs, result)
+        for i, s in enumerate(scheduled):
+            if s.request.wants_prompt_logprobs:
+                self._prompt_logprobs(hidden, qsl[i], s, result)
+        return result
+
+    def _sample(self, hidden: torch.Tensor, rows: list[int], reqs: list, result: RunnerOutput) -> None:
+        logits = self.model.compute_logits(hidden[rows])
+        params = [r.sampling_params for r in reqs]
+        banned = []
+        for r in reqs:
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                banned.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids)))
+            else:
+                banned.append([])
+        batch = SamplingBatch.from_params(
+            params, generators=[r.generator for r in reqs], output_token_ids=[r.output_token_ids for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            banned_token_ids=banned if any(banned) else None, device=logits.device)
+        out = self.sampler(logits, batch)
+        tokens = out.sampled_token_ids.tolist()
+        for j, r in enumerate(reqs):
+            result.sampled[r.request_id] = tokens[j]
+            if r.sampling_params.logprobs is not None and out.logprobs is not None:
+                k = r.sampling_params.logprobs
+                lp = out.logprobs
+                result.logprobs[r.request_id] = (lp.token_ids[j, : k + 1].tolist(),
+                                                 lp.logprobs[j, : k + 1].tolist(), int(lp.ranks[j]))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, row0: int, s: ScheduledRequest, result: RunnerOutput) -> None:
+        req = s.request
+        first = max(s.start, req.num_prompt_logprobs_done)  # position p predicts prompt token p + 1
+        last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
+        if last <= first:
+            return
+        rows = hidden[row0 + first - s.start: row0 + last - s.start]
+        logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+        targets = torch.tensor(req.prompt_token_ids[first + 1: last + 1], device=logprobs.device)
+        k = req.sampling_params.prompt_logprobs
+        lp = gather_logprobs(logprobs, targets, k)
+        result.prompt_logprobs[req.request_id] = [
+            (lp.token_ids[j].tolist(), lp.logprobs[j].tolist(), int(lp.ranks[j])) for j in range(last - first)]

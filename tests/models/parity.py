@@ -1,0 +1,104 @@
+"""Parity with Hugging Face transformers: tiny random models, saved and loaded by attnserve.
+
+``build_hf_model`` makes a tiny model from a transformers config (float32, eager attention),
+saves it with ``save_pretrained``; ``hf_reference`` records its prompt log-probabilities at every
+position and its greedy generation; ``run_engine`` drives attnserve's engine step by step,
+checking block-pool integrity after every step; ``assert_parity`` compares.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TOL = 1e-4
+VOCAB = 512
+
+
+@dataclass
+class Reference:
+    prompts: list[list[int]]
+    prompt_logprobs: list[torch.Tensor]  # per prompt [L - 1, V]: row i predicts token i + 1
+    greedy: list[list[int]]
+    greedy_logprobs: list[torch.Tensor]  # per prompt [N, V]
+
+
+def build_hf_model(model_type: str, kwargs: dict, out_dir: Path, seed: int = 0, init_range: float = 0.1):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    cfg = CONFIG_MAPPING[model_type](**{"initializer_range": init_range, **kwargs})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+def make_prompts(lengths: list[int], vocab: int = VOCAB, seed: int = 1, prefix: list[int] | None = None):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        out.append((prefix or []) + ids)
+    return out
+
+
+@torch.no_grad()
+def hf_reference(model, prompts: list[list[int]], max_new_tokens: int = 16) -> Reference:
+    plp, greedy, glp = [], [], []
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    for p in prompts:
+        ids = torch.tensor([p])
+        logits = model(ids).logits[0].float()
+        plp.append(torch.log_softmax(logits[:-1], dim=-1))
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True)
+        greedy.append(gen.sequences[0, len(p):].tolist())
+        glp.append(torch.log_softmax(torch.stack([x[0].float() for x in gen.logits]), dim=-1))
+    return Reference(prompts, plp, greedy, glp)
+
+
+def run_engine(llm, prompts: list[list[int]], params, check_integrity: bool = True):
+    """Submit every prompt, step until done, checking the block pool after every step."""
+    engine = llm.llm_engine
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if check_integrity:
+            engine.kv_manager.check_integrity()
+    if check_integrity:
+        engine.kv_manager.check_integrity()
+        assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks - 1, "blocks leaked"
+    return [finals[i] for i in ids]
+
+
+def assert_parity(ref: Reference, outs, *, prompt_logprobs: bool = True, tol: float = TOL) -> float:
+    """Greedy tokens identical; prompt and output logprobs within ``tol``. Returns the max deviation."""
+    worst = 0.0
+    for i, out in enumerate(outs):
+        toks = out.outputs[0].token_ids
+        assert toks == ref.greedy[i], f"prompt {i}: greedy tokens differ\n attnserve {toks}\n hf        {ref.greedy[i]}"
+        for step, entry in enumerate(out.outputs[0].logprobs or []):
+            for tid, lp in entry.items():
+                d = abs(lp.logprob - ref.greedy_logprobs[i][step, tid].item())
+                worst = max(worst, d)
+                assert d < tol, f"prompt {i} output step {step} token {tid}: logprob off by {d:.2e}"
+        if prompt_logprobs:
+            plp = out.prompt_logprobs
+            assert plp is not None and len(plp) == len(ref.prompts[i]) and plp[0] is None
+            for pos in range(1, len(plp)):
+                assert ref.prompts[i][pos] in plp[pos], f"prompt {i} position {pos}: the prompt token is missing"
+                for tid, lp in plp[pos].items():
+                    d = abs(lp.logprob - ref.prompt_logprobs[i][pos - 1, tid].item())
+                    worst = max(worst, d)
+                    assert d < tol, f"prompt {i} position {pos} token {tid}: logprob off by {d:.2e}"
+    return worst
