@@ -1,0 +1,44 @@
+"""The math of state layers: pure tensor functions over a state pool, no weights.
+
+Each mechanism has a chunked (or block / parallel-scan) prefill form over a varlen batch and a
+recurrent decode form (one token per sequence); the two agree up to rounding. Every function
+takes flat tokens with ``query_start_loc`` [B+1], reads each sequence's state at
+``state_indices`` [B] (zeros where ``has_initial_state`` [B] is False) and writes the new state
+back in place. The layers that own the projections and norms call these; this package is not a
+layer, not a backend and not a kernel (Triton twins, when written, are tested against it).
+"""
+
+from __future__ import annotations
+
+from attnserve.layers.state_ops.conv import causal_conv1d_prefill, causal_conv1d_update
+from attnserve.layers.state_ops.gated_delta import (
+    delta_rule_decode,
+    delta_rule_prefill,
+    gated_delta_decode,
+    gated_delta_prefill,
+    l2norm,
+)
+from attnserve.layers.state_ops.kda import kda_decode, kda_prefill
+from attnserve.layers.state_ops.lightning import (
+    lightning_attention_decode,
+    lightning_attention_prefill,
+    lightning_decay_rates,
+)
+from attnserve.layers.state_ops.mamba import selective_scan_decode, selective_scan_prefill
+
+__all__ = [
+    "causal_conv1d_prefill",
+    "causal_conv1d_update",
+    "delta_rule_decode",
+    "delta_rule_prefill",
+    "gated_delta_decode",
+    "gated_delta_prefill",
+    "kda_decode",
+    "kda_prefill",
+    "l2norm",
+    "lightning_attention_decode",
+    "lightning_attention_prefill",
+    "lightning_decay_rates",
+    "selective_scan_decode",
+    "selective_scan_prefill",
+]
