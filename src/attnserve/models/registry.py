@@ -17,6 +17,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "qwen3": "attnserve.models.llama:LlamaForCausalLM",
     "phi3": "attnserve.models.llama:LlamaForCausalLM",
     "starcoder2": "attnserve.models.llama:LlamaForCausalLM",
+    "gemma": "attnserve.models.gemma:GemmaForCausalLM",
+    "gemma2": "attnserve.models.gemma:GemmaForCausalLM",
+    "gemma3_text": "attnserve.models.gemma:GemmaForCausalLM",
 }
 
 
