@@ -352,15 +352,30 @@ def _gemma(r: Reader) -> Built:
     return _standard(r, [None] * r.num_layers), None
 
 
+# transformers' Gemma 2/3 config defaults, for configs that leave these fields out
+_GEMMA_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096}
+
+
+def _gemma_defaults(r: Reader) -> Reader:
+    cfg = dict(r.cfg)
+    for key, value in _GEMMA_DEFAULTS.items():
+        cfg.setdefault(key, value)
+    if r.model_type == "gemma2" and "attn_logit_softcapping" not in cfg:
+        cfg["attn_logit_softcapping"] = 50.0  # an explicit null means no cap
+    return Reader(r.model_type, cfg)
+
+
 def _gemma2(r: Reader) -> Built:
-    scale = r.float("query_pre_attn_scalar", default=float(r.head_dim)) ** -0.5
+    r = _gemma_defaults(r)
+    scale = r.float("query_pre_attn_scalar") ** -0.5
     return _standard(r, _pattern_windows(r, 2), scale=scale,
                      softcap=r.float("attn_logit_softcapping", default=None)), None
 
 
 def _gemma3(r: Reader) -> Built:
+    r = _gemma_defaults(r)
     hd = r.head_dim
-    scale = r.float("query_pre_attn_scalar", default=float(hd)) ** -0.5
+    scale = r.float("query_pre_attn_scalar") ** -0.5
     windows = _pattern_windows(r, r.int("sliding_window_pattern", "_sliding_window_pattern", default=6))
     params = r.cfg.get("rope_parameters")
     if isinstance(params, Mapping) and "sliding_attention" in params:  # transformers 5 spelling

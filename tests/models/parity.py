@@ -54,6 +54,7 @@ def hf_reference(model, prompts: list[list[int]], max_new_tokens: int = 16) -> R
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     for p in prompts:
+        _reset_rope_state(model)
         ids = torch.tensor([p])
         logits = model(ids).logits[0].float()
         plp.append(torch.log_softmax(logits[:-1], dim=-1))
@@ -62,6 +63,15 @@ def hf_reference(model, prompts: list[list[int]], max_new_tokens: int = 16) -> R
         greedy.append(gen.sequences[0, len(p):].tolist())
         glp.append(torch.log_softmax(torch.stack([x[0].float() for x in gen.logits]), dim=-1))
     return Reference(prompts, plp, greedy, glp)
+
+
+def _reset_rope_state(model) -> None:
+    """transformers' dynamic/longrope embeddings keep frequencies grown by earlier calls; each
+    request must start from the original ones, as it does in a fresh model."""
+    for m in model.modules():
+        if hasattr(m, "original_inv_freq") and hasattr(m, "max_seq_len_cached"):
+            m.inv_freq = m.original_inv_freq.clone()
+            m.max_seq_len_cached = getattr(m, "original_max_seq_len", m.max_seq_len_cached)
 
 
 def run_engine(llm, prompts: list[list[int]], params, check_integrity: bool = True):

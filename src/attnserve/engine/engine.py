@@ -36,7 +36,12 @@ class LLMEngine:
         self.arch = self.parts.arch
         self.tokenizer = self.parts.tokenizer
         self.max_model_len = self.parts.max_model_len
-        self.scheduler = Scheduler(config.scheduler, self.parts.kv_manager, self.max_model_len)
+        rope = next((s.rope for s in self.arch.layers if s.rope is not None), None)
+        self._length_dependent_rope = rope is not None and rope.rope_type in ("dynamic", "longrope")
+        recompute = None
+        if rope is not None and rope.rope_type == "longrope" and rope.original_max_position_embeddings:
+            recompute = rope.original_max_position_embeddings + 1
+        self.scheduler = Scheduler(config.scheduler, self.parts.kv_manager, self.max_model_len, recompute)
         self.runner = self.parts.runner
         self.states: dict[str, RequestState] = {}
         self._child_to_state: dict[str, tuple[RequestState, CompletionState]] = {}
@@ -80,7 +85,8 @@ class LLMEngine:
                                                  "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, ids, child_params, eos_token_ids=self.arch.eos_token_ids,
-                          block_size=self.config.cache.block_size, prompt=text)
+                          block_size=self.config.cache.block_size, prompt=text,
+                          cacheable=not self._length_dependent_rope)
             completions.append(CompletionState(req, i, make_detokenizer(self.tokenizer, req)))
         state = RequestState(request_id, text, ids, completions, self.tokenizer)
         self.states[request_id] = state

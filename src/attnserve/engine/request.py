@@ -49,6 +49,7 @@ class Request:
     # prompt logprobs are computed once even if the request is preempted and recomputed
     num_prompt_logprobs_done: int = 0
     first_token_time: float | None = None
+    cacheable: bool = True  # False: never served from or stored in the prefix cache
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -83,8 +84,9 @@ class Request:
 
     @property
     def skip_prefix_cache(self) -> bool:
-        """Prompt logprobs need logits at every prompt position, so such requests compute it all."""
-        return self.wants_prompt_logprobs
+        """Prompt logprobs need logits at every prompt position, so such requests compute it all;
+        requests of models whose RoPE depends on the sequence length are not cacheable."""
+        return self.wants_prompt_logprobs or not self.cacheable
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -63,10 +63,14 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 rope_recompute_len: int | None = None):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        # longrope switches to its long factors once a sequence is longer than the original
+        # context; like transformers, recompute the whole sequence with them at that point
+        self.rope_recompute_len = rope_recompute_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -164,6 +168,9 @@ class Scheduler:
             self._check_stop(req)
             if req.is_finished:
                 self._remove_running(req)
+            elif req.num_tokens == self.rope_recompute_len:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
         return progressed
 
     def _check_stop(self, req: Request) -> None:

@@ -86,7 +86,7 @@ class KVCacheManager:
         for m, hits in zip(self.managers, new_computed):
             m.save_new_computed_blocks(rid, hits)
             m.allocate_new_blocks(rid, total_tokens)
-        if self.enable_caching:
+        if self.enable_caching and request.cacheable:
             # blocks that are full once this step runs; their content is written before any
             # request of the same step reads it (each layer writes all new K/V, then attends)
             cached_len = min(total_tokens, request.num_tokens)

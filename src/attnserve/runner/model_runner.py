@@ -79,8 +79,11 @@ class ModelRunner:
             slot_mappings=[torch.tensor(m, dtype=torch.int64, device=dev) for m in slot_maps],
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_decodes=num_decodes,
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))), max_seq_len=max(seq_lens))
+        # length-dependent RoPE (dynamic NTK, longrope) sees each request's whole known length,
+        # as one forward over the full prompt would: chunking a prefill does not change it
         query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], device=dev)
-        token_seq_lens = torch.repeat_interleave(seq_lens_t.long(), query_lens)
+        rope_lens = torch.tensor([s.request.num_tokens for s in scheduled], dtype=torch.int64, device=dev)
+        token_seq_lens = torch.repeat_interleave(rope_lens, query_lens)
         metas = [b.build_metadata(common, g) for g, b in enumerate(self.backends)]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return input_ids, ForwardContext(common=common, attn_metadata=metas, token_seq_lens=token_seq_lens)
