@@ -116,3 +116,24 @@ def test_resolve_cache_dtype():
     assert resolve_cache_dtype("fp8_e4m3", "float32") == "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype 'int4'"):
         resolve_cache_dtype("int4", "bfloat16")
+
+
+def test_layout_shares_slots_between_sliding_and_full_groups():
+    from attnserve.kvcache.groups import plan_layout
+
+    oss = arch("openai/gpt-oss-20b")  # 12 sliding (window 128) + 12 full layers
+    layout = plan_layout(cache_entries(oss, CacheConfig(block_size=16)))
+    assert sorted(g.policy for g in layout.groups) == ["full", "sliding"]
+    page = 16 * 2 * 8 * 64 * 2  # one layer's block: K and V, 8 heads of 64, bf16
+    assert len(layout.slots) == 12 and layout.bytes_per_block == 12 * page
+    n = 131_072
+    full_blocks = n // 16
+    window_blocks = 8 + 1  # ceil(127 / 16) + 1 block the window may straddle
+    assert layout.sequence_bytes(n) == (full_blocks + window_blocks) * 12 * page
+    g3 = arch("google/gemma-3-1b-it")  # 4 full + 22 sliding layers: chunks of 4 layers
+    layout3 = plan_layout(cache_entries(g3, CacheConfig(block_size=16)))
+    assert [len(g.entries) for g in layout3.groups] == [4, 4, 4, 4, 4, 2, 4] or \
+        sorted(len(g.entries) for g in layout3.groups) == [2, 4, 4, 4, 4, 4, 4]
+    assert layout3.bytes_per_block == 4 * 16 * 2 * 1 * 256 * 2
+    mistral = plan_layout(cache_entries(arch("mistralai/Mistral-7B-v0.1"), CacheConfig()))
+    assert len(mistral.slots) == 32 and len(mistral.groups) == 1  # one group: each layer its own slot

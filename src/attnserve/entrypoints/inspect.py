@@ -20,7 +20,7 @@ from attnserve.attention.registry import (
     select_backend,
 )
 from attnserve.config import CacheConfig
-from attnserve.kvcache.groups import cache_entries, group_entries, layer_specs, sequence_bytes
+from attnserve.kvcache.groups import cache_entries, group_entries, layer_specs, plan_layout
 from attnserve.kvcache.spec import resolve_cache_dtype
 from attnserve.platforms import Platform
 from attnserve.presets import resolve_config_path
@@ -57,6 +57,7 @@ class InspectReport:
     kv_bytes_per_token: int
     state_bytes_per_sequence: int
     bytes_per_sequence: int  # one sequence of max_model_len, windows and states included
+    bytes_per_sequence_no_window: int  # the same with every sliding layer at its full rate
     memory_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -90,6 +91,7 @@ class InspectReport:
             "state_bytes_per_sequence": self.state_bytes_per_sequence,
             "max_model_len": self.max_model_len,
             "bytes_per_sequence": self.bytes_per_sequence,
+            "bytes_per_sequence_without_windows": self.bytes_per_sequence_no_window,
             "layer_groups": [
                 {"kind": r.kind, "num_layers": r.num_layers, "layers": list(r.layer_ids),
                  "bytes_per_token_per_layer": r.bytes_per_token_per_layer,
@@ -130,8 +132,12 @@ class InspectReport:
         if self.state_bytes_per_sequence:
             lines.append(f"State per sequence: {_num(self.state_bytes_per_sequence)} B "
                          f"({_size(self.state_bytes_per_sequence)}), whatever its length")
-        lines.append(f"One sequence of {_num(self.max_model_len)} tokens: {_size(self.bytes_per_sequence)}"
-                     + (" (sliding layers keep only their window)" if any(r.window for r in self.rows) else ""))
+        line = f"One sequence of {_num(self.max_model_len)} tokens: {_size(self.bytes_per_sequence)}"
+        if self.bytes_per_sequence < self.bytes_per_sequence_no_window:
+            saved = 1 - self.bytes_per_sequence / self.bytes_per_sequence_no_window
+            line += (f" (sliding layers keep only their window: {saved:.0%} less than "
+                     f"{_size(self.bytes_per_sequence_no_window)} without)")
+        lines.append(line)
         if self.memory_bytes is not None:
             lines.append(f"In {_size(self.memory_bytes)}: {_num(self.max_tokens or 0)} tokens of KV cache; "
                          f"{_num(self.max_sequences or 0)} sequences of {_num(self.max_model_len)} tokens at once")
@@ -200,7 +206,9 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
     model_dtype = arch.dtype if dtype == "auto" else dtype
     cache = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     kv_dtype = resolve_cache_dtype(kv_cache_dtype, model_dtype)
-    groups = group_entries(cache_entries(arch, cache, model_dtype))
+    entries = cache_entries(arch, cache, model_dtype)
+    groups = group_entries(entries)
+    layout = plan_layout(entries)
     max_len = max_model_len or arch.max_position_embeddings or 2048
 
     rows: list[LayerGroupRow] = []
@@ -208,9 +216,9 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
     meta: dict[tuple, tuple] = {}
     errors: list[str] = []
     for spec in arch.layers:
-        entries = layer_specs(spec, model_dtype, cache)
-        comps = tuple((name, s.bytes_per_token) for name, s in entries if s.bytes_per_token)
-        state = sum(s.bytes_per_sequence for _, s in entries)
+        own = layer_specs(spec, model_dtype, cache)
+        comps = tuple((name, s.bytes_per_token) for name, s in own if s.bytes_per_token)
+        state = sum(s.bytes_per_sequence for _, s in own)
         try:
             sel = _select(spec, model_dtype, kv_dtype, cache, platform, attention_backend)
         except BackendSelectionError as e:
@@ -242,8 +250,22 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
         max_model_len=max_len, rows=rows,
         kv_bytes_per_token=sum(g.bytes_per_token for g in groups),
         state_bytes_per_sequence=sum(g.bytes_per_sequence_state for g in groups),
-        bytes_per_sequence=sequence_bytes(groups, max_len),
+        bytes_per_sequence=_sequence_bytes(entries, max_len),
+        bytes_per_sequence_no_window=_full_rate_bytes(layout, max_len) + sum(
+            g.bytes_per_sequence_state for g in groups),
         memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes)
+
+
+def _sequence_bytes(entries, num_tokens: int) -> int:
+    """What the allocator would hold for one sequence: paged blocks (windows applied) + state."""
+    layout = plan_layout(entries)
+    state = sum(e.spec.bytes_per_sequence for e in entries)
+    return layout.sequence_bytes(num_tokens) + state
+
+
+def _full_rate_bytes(layout, num_tokens: int) -> int:
+    blocks = -(-num_tokens // layout.groups[0].block_size) if layout.groups else 0
+    return blocks * layout.groups[0].block_size * layout.bytes_per_token if layout.groups else 0
 
 
 # --- the plot -----------------------------------------------------------------------------
@@ -301,8 +323,8 @@ def plot_kv_memory(report: InspectReport, path: str) -> None:
             curves[f"as {variant}" + (" (8 KV heads)" if variant == "GQA" else "")] = v
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, a in curves.items():
-        groups = group_entries(cache_entries(a, cache, report.dtype))
-        ax.plot(xs, [sequence_bytes(groups, x) / GIB for x in xs], marker="o", ms=3, label=label)
+        entries = cache_entries(a, cache, report.dtype)
+        ax.plot(xs, [_sequence_bytes(entries, x) / GIB for x in xs], marker="o", ms=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")

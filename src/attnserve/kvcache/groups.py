@@ -23,7 +23,8 @@ from attnserve.kvcache.spec import (
     resolve_cache_dtype,
 )
 
-__all__ = ["CacheEntry", "KVCacheGroup", "cache_entries", "group_entries", "layer_specs"]
+__all__ = ["CacheEntry", "KVCacheGroup", "KVCacheLayout", "cache_entries", "group_entries", "layer_specs",
+           "plan_layout", "sequence_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,62 @@ def group_entries(entries: list[CacheEntry]) -> list[KVCacheGroup]:
             for i, k in enumerate(order)]
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """How groups map onto memory.
+
+    Every block id is one page in each *slot* (a set of tensors). With a single group each entry
+    is its own slot. With several groups of the same page shape (sliding plus full layers),
+    each group is split into chunks of ``L`` layers (``L`` the smallest group) and slot ``i`` is
+    shared by the ``i``-th entry of every chunk, as vLLM's hybrid allocator does: a block id
+    taken by one chunk is used only by that chunk's layers, so a sliding-window chunk that
+    holds a few blocks per sequence really costs a few blocks.
+    """
+
+    groups: tuple[KVCacheGroup, ...]
+    slots: tuple[tuple[CacheEntry, ...], ...]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(max(e.spec.page_size_bytes for e in slot) for slot in self.slots)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Per-token bytes over every layer, sliding ones at their full rate."""
+        return sum(g.bytes_per_token for g in self.groups)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return sum(g.blocks_for(num_tokens) for g in self.groups)
+
+    def sequence_bytes(self, num_tokens: int) -> int:
+        """Bytes one sequence of ``num_tokens`` holds at most (windows applied)."""
+        return self.blocks_for(num_tokens) * self.bytes_per_block
+
+
+def _page_shape(e: CacheEntry) -> tuple | None:
+    spec = e.spec
+    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+        return (spec.block_size, spec.dtype, spec.num_kv_heads, spec.head_size, spec.head_size_v)
+    return None
+
+
+def plan_layout(entries: list[CacheEntry]) -> KVCacheLayout:
+    """Group the per-token entries and lay them out (state entries are not paged here)."""
+    token = [e for e in entries if e.spec.policy != "state"]
+    groups = group_entries(token)
+    shapes = {_page_shape(e) for e in token}
+    if len(groups) <= 1 or len(shapes) != 1 or None in shapes:
+        return KVCacheLayout(tuple(groups), tuple((e,) for e in token))
+    size = min(len(g.entries) for g in groups)
+    chunks: list[KVCacheGroup] = []
+    for g in groups:
+        for j in range(0, len(g.entries), size):
+            chunks.append(KVCacheGroup(len(chunks), g.policy, g.window, g.entries[j:j + size]))
+    slots = tuple(tuple(c.entries[i] for c in chunks if i < len(c.entries)) for i in range(size))
+    return KVCacheLayout(tuple(chunks), slots)
+
+
 def sequence_bytes(groups: list[KVCacheGroup], num_tokens: int) -> int:
-    """Cache bytes one sequence of ``num_tokens`` holds at most, over every group."""
+    """Cache bytes one sequence of ``num_tokens`` holds at most, over every group, each entry
+    paying its own pages (the layout of a single group; see ``KVCacheLayout`` for several)."""
     return sum(g.bytes_for(num_tokens) for g in groups)

@@ -18,7 +18,7 @@ from attnserve.arch import ModelArch, load_hf_config
 from attnserve.attention.backend import AttentionBackend, BackendRequest
 from attnserve.attention.registry import load_backend, select_backend
 from attnserve.config import EngineConfig
-from attnserve.kvcache.groups import KVCacheGroup, cache_entries, group_entries
+from attnserve.kvcache.groups import KVCacheGroup, cache_entries, plan_layout
 from attnserve.kvcache.kv_cache_manager import KVCacheManager
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import dummy_init, iter_safetensors
@@ -104,22 +104,26 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        max_len, arch.max_position_embeddings)
     tokenizer = load_tokenizer(model_dir)
 
-    groups = group_entries(cache_entries(arch, config.cache, dtype))
+    entries = cache_entries(arch, config.cache, dtype)
+    if any(e.spec.policy == "state" for e in entries):
+        raise ValueError(f"{arch.model_type}: models with state layers ({arch.mechanism.value}) are not "
+                         f"served yet; `attnserve inspect` reads their config")
+    layout = plan_layout(entries)
+    groups = list(layout.groups)
     backend_names = _select_backends(arch, groups, dtype, config, platform)
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
 
     model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[dtype])
     # sized once the weights are in memory, from what is left
-    needed = config.scheduler.max_num_seqs * sum(g.bytes_for(max_len) for g in groups) + \
-        sum(g.page_size_bytes for g in groups)
-    num_blocks = determine_num_blocks(groups, config.cache, device, needed)
+    needed = (config.scheduler.max_num_seqs * layout.blocks_for(max_len) + 1) * layout.bytes_per_block
+    num_blocks = determine_num_blocks(layout, config.cache, device, needed)
     kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
     one_seq = kv.num_blocks_for_tokens(max_len)
     if one_seq > num_blocks - 1:
         raise ValueError(f"the KV cache holds {num_blocks - 1} blocks of {config.cache.block_size} tokens, "
                          f"but one sequence of max_model_len={max_len} needs {one_seq}; lower max_model_len "
                          f"or give the cache more memory")
-    allocate_kv_cache(model, groups, num_blocks, device, backends)
+    allocate_kv_cache(model, layout, num_blocks, device, backends)
     runner = ModelRunner(model, arch, groups, backends, device)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
                        dtype=dtype, platform=platform, groups=groups, backend_names=backend_names,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from attnserve.config import CacheConfig
-from attnserve.kvcache.groups import KVCacheGroup
+from attnserve.kvcache.groups import KVCacheLayout
 from attnserve.kvcache.spec import (
     FullAttentionSpec,
     IndexerCacheSpec,
@@ -24,7 +24,7 @@ from attnserve.kvcache.spec import (
     SlidingWindowSpec,
 )
 
-__all__ = ["allocate_kv_cache", "bytes_per_block", "determine_num_blocks", "torch_cache_dtype"]
+__all__ = ["allocate_kv_cache", "determine_num_blocks", "torch_cache_dtype"]
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -37,10 +37,6 @@ def torch_cache_dtype(name: str) -> torch.dtype:
             "fp8": torch.float8_e4m3fn}[name]
 
 
-def bytes_per_block(groups: list[KVCacheGroup]) -> int:
-    return sum(g.page_size_bytes for g in groups)
-
-
 def _cpu_available_bytes() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -51,7 +47,7 @@ def _cpu_available_bytes() -> int:
     return 8 * GIB
 
 
-def determine_num_blocks(groups: list[KVCacheGroup], cache: CacheConfig, device: torch.device,
+def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torch.device,
                          needed_bytes: int) -> int:
     """Blocks in the pool (the null block included).
 
@@ -61,7 +57,7 @@ def determine_num_blocks(groups: list[KVCacheGroup], cache: CacheConfig, device:
     """
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    per_block = bytes_per_block(groups)
+    per_block = layout.bytes_per_block
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory * GIB)
     elif device.type == "cuda":
@@ -95,14 +91,19 @@ def _alloc(spec: KVCacheSpec, num_blocks: int, device: torch.device):
     raise NotImplementedError(f"no paged allocator for {type(spec).__name__}")
 
 
-def allocate_kv_cache(model: nn.Module, groups: list[KVCacheGroup], num_blocks: int, device: torch.device,
+def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, device: torch.device,
                       backends: list) -> dict[tuple[int, str], object]:
-    """Allocate each entry's tensors and bind them, with the group's backend, to the layer."""
+    """Allocate one set of tensors per slot (its entries alias them) and bind them, with the
+    group's backend, to each layer."""
     caches: dict[tuple[int, str], object] = {}
     layer_group: dict[int, int] = {}
-    for g in groups:
+    for slot in layout.slots:
+        tensors = _alloc(slot[0].spec, num_blocks, device)
+        for e in slot:
+            assert e.spec.page_size_bytes == slot[0].spec.page_size_bytes, "slot members differ in page shape"
+            caches[(e.layer, e.name)] = tensors
+    for g in layout.groups:
         for e in g.entries:
-            caches[(e.layer, e.name)] = _alloc(e.spec, num_blocks, device)
             layer_group[e.layer] = g.group_id
     for module in model.modules():
         layer_id = getattr(module, "layer_id", None)
@@ -116,6 +117,6 @@ def allocate_kv_cache(model: nn.Module, groups: list[KVCacheGroup], num_blocks: 
         # standard layers get their (key_cache, value_cache); others a dict by entry name
         own = {name: t for (lid, name), t in caches.items() if lid == layer_id}
         module.kv_cache = own["kv"] if set(own) == {"kv"} else own
-    total = sum(t.numel() * t.element_size() for v in caches.values() for t in (v if isinstance(v, tuple) else (v,)))
-    logger.info("KV cache: %d blocks, %.3f GiB on %s", num_blocks, total / GIB, device)
+    logger.info("KV cache: %d blocks of %d bytes (%.3f GiB) on %s", num_blocks, layout.bytes_per_block,
+                num_blocks * layout.bytes_per_block / GIB, device)
     return caches
