@@ -1,0 +1,438 @@
+"""H200 benchmark of the Triton paged attention kernels against torch SDPA and FlexAttention.
+
+1. Checks ``unified_attention`` and ``write_kv_cache`` against ``attention.reference`` on
+   random bf16 inputs (decode with split-KV, mixed and chunked batches, each feature, fp8
+   cache, head sizes 64/128/256): ``max|out - ref| / max|ref| <= 2e-2``.
+2. Decode, batch 1/16/64/256 x context 1K/4K/16K/64K (32 query / 8 KV heads, head 128, bf16,
+   block 16): bytes moved (K and V read once, q and out), GB/s, % of 4.25 TB/s, and the time
+   of SDPA (FlashAttention backend, contiguous K/V [B, H, S, D], GQA) and of compiled
+   FlexAttention (its decoding path) on the same shapes, as peer / ours.
+3. Causal prefill of one sequence of 1K..32K tokens, head 128: TFLOP/s and the same peers.
+
+Timing: each call is captured once per input set into one CUDA graph (sets rotate, so L2
+holds no set between its calls), ``triton.testing.do_bench`` takes the median over replays
+after its warm-up, and the time per call is that median / number of sets. Shapes that would
+not fit in memory are skipped, and so is whatever is left when the time budget runs out.
+
+    python benchmarks/gpu_attention.py [--budget-s 330] [--no-peers]
+
+Prints a compact table last; writes ``$OUT/gpu_attention.json`` when ``OUT`` is set.
+Not a test: correctness on CPU is ``tests/kernels/test_triton_attention.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from attnserve.attention.ops.triton_kv_write import write_kv_cache
+from attnserve.attention.ops.triton_paged_attention import pick_num_splits, unified_attention
+from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv
+
+PEAK_BW = 4.25e12  # bytes/s, device copy on the lent H200 (read + write)
+HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16
+DECODE_BATCHES, DECODE_CTX = (1, 16, 64, 256), (1024, 4096, 16384, 65536)
+PREFILL_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+REL_TOL = 2e-2
+L2_BUST_BYTES, MAX_SETS = 256 << 20, 32
+DEV = "cuda"
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def paged_batch(
+    q_lens,
+    seq_lens,
+    *,
+    head=HEAD,
+    heads=HEADS,
+    kv_heads=KV_HEADS,
+    cache_dtype=torch.bfloat16,
+    nan_fill=False,
+    scales=(1.0, 1.0),
+):
+    """Random bf16 q and a paged cache whose blocks are a random permutation (block 0 null)."""
+    nbs = [-(-s // PAGE) for s in seq_lens]
+    num_blocks = sum(nbs) + 1
+    perm = torch.randperm(num_blocks - 1, device=DEV, dtype=torch.int32) + 1
+    table = torch.zeros(len(seq_lens), max(nbs), dtype=torch.int32, device=DEV)
+    if len(set(nbs)) == 1:  # equal lengths: one reshape instead of a loop
+        table[:] = perm.view(len(seq_lens), nbs[0])
+    else:
+        for i, (start, n) in enumerate(zip(itertools.accumulate([0, *nbs]), nbs)):
+            table[i, :n] = perm[start : start + n]
+    shape = (num_blocks, PAGE, kv_heads, head)
+    if cache_dtype == torch.bfloat16 and not nan_fill:
+        k_cache = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+        v_cache = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    else:  # quantised through the kernel's own twin, unused slots NaN
+        k_cache = torch.full(shape, float("nan"), device=DEV).to(cache_dtype)
+        v_cache = torch.full(shape, float("nan"), device=DEV).to(cache_dtype)
+        for i, s in enumerate(seq_lens):
+            pos = torch.arange(s, device=DEV)
+            slots = table[i].long()[pos // PAGE] * PAGE + pos % PAGE
+            kv = torch.randn(2, s, kv_heads, head, device=DEV)
+            write_kv(k_cache, v_cache, kv[0], kv[1], slots, *scales)
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEV)
+    q = torch.randn(int(sum(q_lens)), heads, head, device=DEV, dtype=torch.bfloat16)
+    return dict(
+        q=q,
+        key_cache=k_cache,
+        value_cache=v_cache,
+        block_table=table,
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+    )
+
+
+def run_ours(b: dict, out: torch.Tensor, **features) -> torch.Tensor:
+    qsl, lens = b["query_start_loc"], b["seq_lens"]
+    return unified_attention(
+        b["q"],
+        b["key_cache"],
+        b["value_cache"],
+        out,
+        b["block_table"],
+        qsl,
+        lens,
+        scale=b["q"].shape[-1] ** -0.5,
+        max_query_len=b.get("max_q") or int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=b.get("max_s") or int(lens.max()),
+        **features,
+    )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def check_attention() -> list[dict]:
+    """Kernel vs reference on bf16 batches; returns one row per case."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    mixed = ([1, 1, 1, 37, 200], [1000, 17, 4096, 300, 200])
+    cases = [
+        ("decode_split", ([1] * 4, [1000, 1, 517, 4096]), {}, {}),
+        ("mixed", mixed, {}, {}),
+        ("window", mixed, {"window": 100}, {}),
+        ("alibi", mixed, {"alibi": alibi_slopes(HEADS).to(DEV)}, {}),
+        ("sinks", mixed, {"sinks": torch.randn(HEADS, device=DEV, generator=g)}, {}),
+        ("softcap", mixed, {"softcap": 1.0}, {}),
+        (
+            "fp8_cache",
+            mixed,
+            {"k_scale": 0.5, "v_scale": 2.0},
+            {"cache_dtype": torch.float8_e4m3fn, "scales": (0.5, 2.0)},
+        ),
+        ("head64", mixed, {}, {"head": 64}),
+        ("head256", mixed, {}, {"head": 256}),
+        ("mqa", mixed, {}, {"kv_heads": 1}),
+    ]
+    rows = []
+    for name, (q_lens, seq_lens), features, build in cases:
+        b = paged_batch(q_lens, seq_lens, nan_fill=True, **build)
+        ref = paged_attention(
+            b["q"],
+            b["key_cache"],
+            b["value_cache"],
+            b["block_table"],
+            b["query_start_loc"],
+            b["seq_lens"],
+            scale=b["q"].shape[-1] ** -0.5,
+            **features,
+        )
+        out = run_ours(b, torch.empty_like(ref), **features)
+        err = rel_err(out, ref) if not out.isnan().any() else float("nan")
+        rows.append({"case": name, "rel_err": err, "ok": err <= REL_TOL})
+    rows.append(check_write())
+    rows.append(check_sdpa_agrees())
+    return rows
+
+
+def check_write() -> dict:
+    """KV write kernel vs its twin: bf16 exactly; fp8 allowing rare rounding-tie differences."""
+    kv = torch.randn(2, 40, KV_HEADS, HEAD, device=DEV, dtype=torch.bfloat16)
+    slots = torch.randperm(64 * PAGE, device=DEV)[:40]
+    slots[::7] = -1
+    worst = 1.0
+    for cache_dtype, scale in ((torch.bfloat16, 1.0), (torch.float8_e4m3fn, 0.5)):
+        got = [
+            torch.zeros(64, PAGE, KV_HEADS, HEAD, device=DEV, dtype=cache_dtype) for _ in range(2)
+        ]
+        want = [c.clone() for c in got]
+        write_kv_cache(kv[0], kv[1], *got, slots, scale, scale)
+        write_kv(*want, kv[0], kv[1], slots, scale, scale)
+        for a, b in zip(got, want):
+            same = (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item()
+            worst = min(worst, same)
+    return {"case": "write_kv", "rel_err": 1.0 - worst, "ok": worst > 0.999}
+
+
+def check_sdpa_agrees() -> dict:
+    """The peer computes the same thing: SDPA on the gathered K/V equals our decode."""
+    b = paged_batch([1, 1], [4096, 4096])
+    ours = run_ours(b, torch.empty_like(b["q"]))
+    q, k, v = contiguous_kv(b, 2, 4096)
+    peer = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
+    err = rel_err(ours, peer.transpose(1, 2).reshape_as(ours))
+    return {"case": "sdpa_vs_ours", "rel_err": err, "ok": err <= REL_TOL}
+
+
+def contiguous_kv(b: dict, batch: int, seq: int):
+    """q [B, n, H, D] and K/V [B, Hkv, S, D] gathered from a paged batch of equal lengths."""
+    blocks = b["block_table"][:, : seq // PAGE].long()  # [B, S / PAGE]
+    k = b["key_cache"][blocks].reshape(batch, seq, KV_HEADS, HEAD).transpose(1, 2)
+    v = b["value_cache"][blocks].reshape(batch, seq, KV_HEADS, HEAD).transpose(1, 2)
+    q = b["q"].view(batch, -1, HEADS, HEAD)
+    return q, k.contiguous(), v.contiguous()
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_per_call(calls: list[Callable[[], object]], rep_ms: int = 100) -> tuple[float, bool]:
+    """Median seconds per call over a CUDA graph of all calls (eager rotation if capture fails)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        ms = do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
+        return ms * 1e-3 / len(calls), True
+    except Exception as exc:  # a peer that cannot be captured is timed eagerly
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eagerly)")
+        torch.cuda.synchronize()
+        rotation = itertools.cycle(calls)
+        ms = do_bench(lambda: next(rotation)(), warmup=25, rep=rep_ms, return_mode="median")
+        return ms * 1e-3, False
+
+
+def num_sets(set_bytes: int, cap: int = MAX_SETS) -> int:
+    """Input sets to rotate: enough to overflow L2, at most a quarter of free memory (0: skip)."""
+    free = torch.cuda.mem_get_info()[0]
+    if set_bytes > 0.8 * free:
+        return 0
+    by_memory = max(1, int(0.25 * free // set_bytes))
+    return min(cap, math.ceil(L2_BUST_BYTES / set_bytes), by_memory)
+
+
+def peer_fns():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention)
+
+    def sdpa(q, k, v, causal):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    def flex_call(q, k, v, block_mask):
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    def causal_mask(n):
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        try:  # compiled mask building avoids an n x n intermediate
+            return create_block_mask(causal, None, None, n, n, device=DEV, _compile=True)
+        except TypeError:
+            return create_block_mask(causal, None, None, n, n, device=DEV)
+
+    return sdpa, flex_call, causal_mask
+
+
+def bench_peers(make_inputs, sets, causal, peers, rep_ms) -> dict:
+    """SDPA and Flex times on contiguous [B, H, S, D] inputs; K/V freed afterwards."""
+    sdpa, flex_call, causal_mask = peers
+    inputs = [make_inputs() for _ in range(sets)]
+    mask = causal_mask(inputs[0][0].shape[2]) if causal else None
+    res = {}
+    for name, fn in (("sdpa", lambda x: sdpa(*x, causal)), ("flex", lambda x: flex_call(*x, mask))):
+        try:
+            res[name], res[f"{name}_graph"] = time_per_call(
+                [lambda x=x, fn=fn: fn(x) for x in inputs], rep_ms
+            )
+        except Exception as exc:  # report it and go on
+            res[name], res[f"{name}_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+    del inputs
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_decode(batch: int, ctx: int, peers) -> dict | None:
+    kv_bytes = batch * ctx * KV_HEADS * HEAD * 2 * 2
+    moved = kv_bytes + 2 * batch * HEADS * HEAD * 2  # + q and out
+    sets = num_sets(moved)
+    row = {
+        "kind": "decode",
+        "batch": batch,
+        "ctx": ctx,
+        "bytes": moved,
+        "sets": sets,
+        "splits": pick_num_splits(batch, KV_HEADS, 1, ctx, torch.device(DEV)),
+    }
+    if sets == 0:
+        return {**row, "skipped": "does not fit in memory"}
+    data = [paged_batch([1] * batch, [ctx] * batch) for _ in range(sets)]
+    outs = [torch.empty_like(b["q"]) for b in data]
+    for b in data:
+        b["max_q"], b["max_s"] = 1, ctx
+    calls = [lambda b=b, o=o: run_ours(b, o) for b, o in zip(data, outs)]
+    row["ours"], row["ours_graph"] = time_per_call(calls)
+    row["gbps"] = moved / row["ours"] / 1e9
+    row["pct_bw"] = 100 * moved / row["ours"] / PEAK_BW
+    del data, outs, calls
+    torch.cuda.empty_cache()
+    if peers:
+
+        def make():
+            q = torch.randn(batch, HEADS, 1, HEAD, device=DEV, dtype=torch.bfloat16)
+            kv = torch.randn(2, batch, KV_HEADS, ctx, HEAD, device=DEV, dtype=torch.bfloat16)
+            return q, kv[0], kv[1]
+
+        row.update(bench_peers(make, sets, False, peers, 100))
+    return row
+
+
+def bench_prefill(n: int, peers) -> dict | None:
+    flops = 4 * n * n * HEAD * HEADS / 2  # causal
+    set_bytes = n * (2 * HEADS + 2 * KV_HEADS) * HEAD * 2
+    sets = num_sets(set_bytes, cap=4 if n <= 4096 else 2)
+    row = {"kind": "prefill", "tokens": n, "flops": flops, "sets": sets}
+    if sets == 0:
+        return {**row, "skipped": "does not fit in memory"}
+    data = [paged_batch([n], [n]) for _ in range(sets)]
+    outs = [torch.empty_like(b["q"]) for b in data]
+    for b in data:
+        b["max_q"], b["max_s"] = n, n
+    calls = [lambda b=b, o=o: run_ours(b, o) for b, o in zip(data, outs)]
+    row["ours"], row["ours_graph"] = time_per_call(calls, rep_ms=200)
+    row["tflops"] = flops / row["ours"] / 1e12
+    del data, outs, calls
+    torch.cuda.empty_cache()
+    if peers:
+
+        def make():
+            q = torch.randn(1, HEADS, n, HEAD, device=DEV, dtype=torch.bfloat16)
+            kv = torch.randn(2, 1, KV_HEADS, n, HEAD, device=DEV, dtype=torch.bfloat16)
+            return q, kv[0], kv[1]
+
+        row.update(bench_peers(make, sets, True, peers, 200))
+    return row
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def ratio(row: dict, peer: str) -> str:
+    return f"{row[peer] / row['ours']:.2f}" if row.get(peer) and row.get("ours") else "-"
+
+
+def us(seconds: float | None) -> str:
+    return f"{seconds * 1e6:.1f}" if seconds else "-"
+
+
+def print_tables(checks: list[dict], rows: list[dict]) -> None:
+    print(f"\nchecks (max|out-ref|/max|ref|, bound {REL_TOL:.0e}):")
+    print(
+        "  "
+        + "  ".join(f"{c['case']}={c['rel_err']:.1e}{'' if c['ok'] else ' FAIL'}" for c in checks)
+    )
+    print("\ndecode (bf16, 32/8 heads, head 128, block 16); ratio = peer time / ours")
+    print(
+        f"{'B':>4} {'ctx':>6} {'spl':>3} {'ours us':>9} {'GB/s':>7} {'%BW':>5} "
+        f"{'sdpa us':>9} {'flex us':>9} {'sdpa/o':>6} {'flex/o':>6}"
+    )
+    for r in (r for r in rows if r["kind"] == "decode"):
+        if "skipped" in r:
+            print(f"{r['batch']:>4} {r['ctx']:>6}  skipped: {r['skipped']}")
+            continue
+        print(
+            f"{r['batch']:>4} {r['ctx']:>6} {r['splits']:>3} {us(r['ours']):>9} "
+            f"{r['gbps']:>7.0f} {r['pct_bw']:>5.1f} {us(r.get('sdpa')):>9} "
+            f"{us(r.get('flex')):>9} {ratio(r, 'sdpa'):>6} {ratio(r, 'flex'):>6}"
+        )
+    print("\ncausal prefill (bf16, one sequence, 32/8 heads, head 128)")
+    print(
+        f"{'tokens':>7} {'ours us':>10} {'TFLOP/s':>8} {'sdpa us':>10} {'flex us':>10} "
+        f"{'sdpa/o':>6} {'flex/o':>6}"
+    )
+    for r in (r for r in rows if r["kind"] == "prefill"):
+        if "skipped" in r:
+            print(f"{r['tokens']:>7}  skipped: {r['skipped']}")
+            continue
+        print(
+            f"{r['tokens']:>7} {us(r['ours']):>10} {r['tflops']:>8.0f} "
+            f"{us(r.get('sdpa')):>10} {us(r.get('flex')):>10} {ratio(r, 'sdpa'):>6} "
+            f"{ratio(r, 'flex'):>6}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new shapes")
+    ap.add_argument("--no-peers", action="store_true", help="time our kernels only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    import torch._dynamo as dynamo
+
+    for knob in ("recompile_limit", "cache_size_limit"):  # flex recompiles per shape at first
+        if hasattr(dynamo.config, knob):
+            setattr(dynamo.config, knob, 64)
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    checks = check_attention()
+    for c in checks:
+        print(
+            f"check {c['case']:>14}: {c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}", flush=True
+        )
+    peers = None if args.no_peers else peer_fns()
+    shapes = [("decode", b, c) for b in DECODE_BATCHES for c in DECODE_CTX]
+    shapes += [("prefill", n, None) for n in PREFILL_TOKENS]
+    rows = []
+    for kind, a, c in shapes:
+        if time.perf_counter() - start > args.budget_s:
+            rows.append({"kind": kind, "batch": a, "ctx": c, "tokens": a, "skipped": "time budget"})
+            continue
+        row = bench_decode(a, c, peers) if kind == "decode" else bench_prefill(a, peers)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "rel_tol": REL_TOL,
+        "peak_bw": PEAK_BW,
+        "checks": checks,
+        "rows": rows,
+        "wall_s": time.perf_counter() - start,
+    }
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "gpu_attention.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {path}")
+    print_tables(checks, rows)
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
