@@ -235,7 +235,7 @@ def _moe(r: Reader, *, experts: tuple[str, ...], top_k: tuple[str, ...] = ("num_
 
 
 def _qwen_moe_layers(r: Reader) -> Callable[[int], bool]:
-    n = r.int("num_experts", default=0)
+    n = r.int("num_experts", "num_local_experts", default=0)
     step = r.int("decoder_sparse_step", default=1) or 1
     only_mlp = set(r.get("mlp_only_layers", default=[]) or [])
     return lambda i: n > 0 and i not in only_mlp and (i + 1) % step == 0
@@ -339,7 +339,7 @@ def _qwen(r: Reader) -> Built:
 
 def _qwen_moe(r: Reader) -> Built:
     shared = r.int("shared_expert_intermediate_size", default=0)
-    moe = _moe(r, experts=("num_experts",), num_shared_experts=1 if shared else 0,
+    moe = _moe(r, experts=("num_experts", "num_local_experts"), num_shared_experts=1 if shared else 0,
                shared_intermediate_size=shared, norm_topk_prob=bool(r.get("norm_topk_prob", default=False)))
     return _standard(r, _qwen_windows(r), moe_layers=_qwen_moe_layers(r)), moe
 
@@ -397,7 +397,9 @@ def _gpt_oss(r: Reader) -> Built:
 def _glm4_moe(r: Reader) -> Built:
     moe = _deepseek_moe(r)
     hd = r.head_dim
-    prf = r.float("partial_rotary_factor", default=0.5)
+    prf = r.float("partial_rotary_factor", default=None)  # transformers 5 nests it in rope_parameters
+    if prf is None:
+        prf = float(r.rope_params().get("partial_rotary_factor", 0.5))
     rope = r.rope(hd, rotary_dim=int(hd * prf))
     return _standard(r, [None] * r.num_layers, moe_layers=_deepseek_moe_layers(r),
                      rope_for=lambda i, w: rope), moe

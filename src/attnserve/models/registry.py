@@ -20,6 +20,15 @@ MODEL_REGISTRY: dict[str, str] = {
     "gemma": "attnserve.models.gemma:GemmaForCausalLM",
     "gemma2": "attnserve.models.gemma:GemmaForCausalLM",
     "gemma3_text": "attnserve.models.gemma:GemmaForCausalLM",
+    "gpt2": "attnserve.models.gpt2:GPT2LMHeadModel",
+    "gpt_bigcode": "attnserve.models.gpt2:GPT2LMHeadModel",
+    "falcon": "attnserve.models.falcon:FalconForCausalLM",
+    "bloom": "attnserve.models.bloom:BloomForCausalLM",
+    "mpt": "attnserve.models.mpt:MPTForCausalLM",
+    "mixtral": "attnserve.models.moe_families:MoEForCausalLM",
+    "qwen3_moe": "attnserve.models.moe_families:MoEForCausalLM",
+    "glm4_moe": "attnserve.models.moe_families:MoEForCausalLM",
+    "gpt_oss": "attnserve.models.gpt_oss:GptOssForCausalLM",
 }
 
 
