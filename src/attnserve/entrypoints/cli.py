@@ -38,13 +38,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--streaming-sinks", type=int, default=None)
     g.add_argument("--streaming-window", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
 
 
 _ENGINE_KEYS = ("attention_backend", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
                 "num_gpu_blocks_override", "enable_prefix_caching", "load_format", "dtype",
                 "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir", "tensor_parallel_size",
-                "device", "seed", "streaming_sinks", "streaming_window")
+                "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -137,11 +138,53 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, ...)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory (default: the shipped demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients ask for (default: MODEL)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from attnserve.entrypoints.openai.api_server import run_server
+    from attnserve.presets import DEFAULT_MODEL
+
+    run_server(args.model or DEFAULT_MODEL, engine_kwargs(args), host=args.host, port=args.port,
+               api_key=args.api_key, served_model_name=args.served_model_name,
+               log_level=args.uvicorn_log_level)
+    return 0
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from attnserve.entrypoints.bench import add_bench_subparsers  # argparse only at import
+
+    p = sub.add_parser("bench", help="benchmarks: latency, throughput (offline), serve (a server)")
+    add_bench_subparsers(p)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from attnserve.entrypoints.bench import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnserve", description="attnserve: an attention-first LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _inspect_parser(sub)
     _generate_parser(sub)
+    _serve_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,311 @@
+"""AsyncLLMEngine: the ``LLMEngine`` on a background thread, for asyncio servers.
+
+One thread owns the engine and is the only one that touches it. Callers reach it through a
+thread-safe command queue (add, abort, call) and get each request's outputs back on an
+``asyncio.Queue`` of their own event loop. When nothing is running the thread sleeps on the
+queue; while requests run it drains the queue between steps, so new requests join the running
+batch as they arrive and aborts free their blocks before the next step.
+
+Outputs are cumulative (each ``RequestOutput`` holds everything so far), so a consumer that
+falls behind gets only the latest one: nothing is lost, the stream just gets coarser.
+
+Not here: HTTP, wire formats, tokenising chat messages, metrics text (``entrypoints/openai``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnserve.engine.engine import LLMEngine
+from attnserve.outputs import RequestOutput
+from attnserve.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (an error in a step, or shutdown); no request can be served."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every step (counters are cumulative)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable blocks held by requests
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    offload_hits: int = 0  # tokens loaded back from the offload tier (0 until offloading exists)
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_aborted: int = 0  # requests aborted while the engine still held them
+
+
+class _Sink:
+    """One request's outputs, delivered onto the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> None:  # called on the engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+    async def get(self) -> Any:
+        item = await self.queue.get()
+        # outputs are cumulative: when several wait, the latest says everything
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()
+        return item
+
+
+_END = object()  # a stream ends without a finished output (aborted by someone else)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    sink: _Sink
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+
+
+_STOP = object()
+_STALL_POLL_S = 0.005  # how long the thread waits for commands when no request can run
+
+
+class AsyncLLMEngine:
+    """An ``LLMEngine`` served by its own thread; ``generate`` is an async iterator of outputs."""
+
+    def __init__(self, engine: LLMEngine, start: bool = True):
+        self._engine = engine
+        # read-only facts about the model, safe to read from any thread
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.arch.vocab_size
+        self.model = engine.config.model.model
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stats = EngineStats()
+        self._num_aborted = 0
+        self._error: BaseException | None = None
+        self._dead = False  # set, under the lock, once the thread takes no more commands
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
+        """Build the engine from ``LLM(...)``-style keywords and start its thread."""
+        from attnserve.config import EngineConfig
+        from attnserve.presets import DEFAULT_MODEL
+
+        return cls(LLMEngine(EngineConfig.from_kwargs(model or DEFAULT_MODEL, **kwargs)))
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="attnserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still running end with ``EngineDeadError``."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and not self._dead
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine thread, if something did."""
+        return self._error
+
+    def _submit(self, cmd: Any) -> None:
+        with self._lock:
+            if not self.is_alive:
+                raise EngineDeadError("the engine is not running")
+            self._commands.put(cmd)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # --- requests --------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative outputs until it finishes.
+
+        Args:
+            request_id: unique among running requests.
+            prompt: as ``LLMEngine.add_request`` takes it.
+            params: sampling parameters.
+
+        Returns:
+            An async iterator of ``RequestOutput``; the last one has ``finished`` set. If the
+            consumer stops early (closes the iterator, is cancelled), the request is aborted
+            and its blocks freed. Engine-side errors (a bad prompt) are raised from it.
+        """
+        sink = _Sink(asyncio.get_running_loop())
+        self._submit(_Add(request_id, prompt, params, sink))
+        finished = False
+        try:
+            while not finished:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine never held it, or no longer does
+                    raise item
+                if item is _END:
+                    finished = True
+                    return
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (from any thread); unknown ids are ignored."""
+        self._commands.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread, between steps (for checks and tests)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self._submit(_Call(fn, future))
+        except EngineDeadError as e:
+            future.set_exception(e)
+        return future
+
+    # --- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        sinks: dict[str, _Sink] = {}
+        engine = self._engine
+        try:
+            device = engine.parts.device
+            if device.type == "cuda":  # the current CUDA device is per thread (Triton uses it)
+                torch.cuda.set_device(device)
+            stalled = False
+            while True:
+                # idle: sleep until a command comes; stalled (nothing could be scheduled, e.g.
+                # the cache is full of waiting work): poll; otherwise: only take what is queued
+                busy = engine.has_unfinished_requests()
+                timeout = None if not busy else (_STALL_POLL_S if stalled else 0.0)
+                if not self._handle_commands(sinks, timeout):
+                    break
+                if not engine.has_unfinished_requests():
+                    continue
+                outputs = engine.step()
+                for out in outputs:
+                    sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
+                    if sink is not None:
+                        sink.put(out)
+                stalled = not outputs and not engine.scheduler.running
+                self._publish_stats()
+            error: BaseException = EngineDeadError("the engine was shut down")
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine, loudly
+            logger.exception("engine thread failed")
+            self._error = e
+            error = EngineDeadError(f"the engine failed: {e!r}")
+        with self._lock:
+            self._dead = True
+        for sink in sinks.values():
+            sink.put(error)
+        self._fail_pending(error)
+
+    def _handle_commands(self, sinks: dict[str, _Sink], timeout: float | None) -> bool:
+        """Apply every queued command, first waiting up to ``timeout`` seconds (None: for ever)
+        for one; False on stop."""
+        try:
+            cmd = (
+                self._commands.get(timeout=timeout) if timeout != 0 else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                return False
+            self._apply(cmd, sinks)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                self._publish_stats()
+                return True
+
+    def _apply(self, cmd: Any, sinks: dict[str, _Sink]) -> None:
+        engine = self._engine
+        if isinstance(cmd, _Add):
+            try:
+                engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            except (ValueError, TypeError) as e:  # PromptError, a duplicate id: the request's fault
+                cmd.sink.put(e)
+                return
+            sinks[cmd.request_id] = cmd.sink
+        elif isinstance(cmd, _Abort):
+            sink = sinks.pop(cmd.request_id, None)
+            if sink is not None:
+                engine.abort_request(cmd.request_id)
+                self._num_aborted += 1
+                sink.put(_END)
+        elif isinstance(cmd, _Call):
+            if cmd.future.set_running_or_notify_cancel():
+                try:
+                    cmd.future.set_result(cmd.fn(engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    cmd.future.set_exception(e)
+
+    def _publish_stats(self) -> None:
+        engine = self._engine
+        sched = engine.scheduler
+        self._stats = EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_cache_usage=engine.kv_manager.usage,
+            prefix_cache_queries=sched.stats.prompt_tokens,
+            prefix_cache_hits=sched.stats.prefix_hit_tokens,
+            offload_hits=getattr(sched.stats, "offload_hit_tokens", 0),
+            num_preemptions=sched.stats.num_preemptions,
+            num_steps=sched.stats.steps,
+            num_aborted=self._num_aborted,
+        )
+
+    def _fail_pending(self, error: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.sink.put(error)
+            elif isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(error)

@@ -1,0 +1,326 @@
+"""``attnserve bench latency|throughput|serve``: vLLM's three end-to-end benchmarks.
+
+- latency: one batch of fixed input and output lengths, run ``--num-iters`` times after a
+  warm-up; average latency and percentiles.
+- throughput: ``--num-prompts`` requests of random token ids, lengths fixed or uniform in
+  ``[len * (1 - r), len * (1 + r)]``, ``ignore_eos``, all submitted at once; requests/s, tokens/s.
+- serve: drives a running server with concurrent streaming clients at a request rate (Poisson
+  arrivals, or all at once for ``inf``); TTFT, TPOT, ITL and end-to-end latency (mean, median,
+  p99) and throughput.
+
+All three print a summary and write it with ``--output-json FILE``. Prompts are random token
+ids (no dataset, no tokenizer needed). Not here: kernel benchmarks (``benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["add_bench_subparsers", "random_lengths", "random_prompts", "run_bench"]
+
+
+# --- shared -------------------------------------------------------------------------------------
+def random_lengths(n: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
+    """``n`` lengths, each ``mean`` or uniform in ``[mean * (1 - r), mean * (1 + r)]``, at least 1."""
+    lo, hi = (
+        max(1, math.floor(mean * (1 - range_ratio))),
+        max(1, math.ceil(mean * (1 + range_ratio))),
+    )
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def random_prompts(lengths: list[int], vocab_size: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def _percentile(values: list[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default), 0 for no values."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _finish(result: dict[str, Any], args: argparse.Namespace, lines: list[str]) -> int:
+    print("\n".join(lines))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        print(f"results written to {args.output_json}")
+    return 0
+
+
+def _llm(args: argparse.Namespace):
+    from attnserve.entrypoints.cli import engine_kwargs
+    from attnserve.entrypoints.llm import LLM
+
+    return LLM(model=args.model, **engine_kwargs(args))
+
+
+# --- latency ------------------------------------------------------------------------------------
+def bench_latency(args: argparse.Namespace) -> int:
+    from attnserve.sampling_params import SamplingParams
+
+    llm = _llm(args)
+    rng = random.Random(args.seed)
+    vocab = llm.llm_engine.arch.vocab_size
+    prompts = random_prompts([args.input_len] * args.batch_size, vocab, rng)
+    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    for _ in range(args.num_iters_warmup):
+        llm.generate(prompts, params)
+    latencies = []
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        latencies.append(time.perf_counter() - start)
+    pcts = {str(p): _percentile(latencies, p) for p in (10, 25, 50, 75, 90, 99)}
+    result = {
+        "avg_latency": statistics.fmean(latencies),
+        "latencies": latencies,
+        "percentiles": pcts,
+    }
+    lines = [
+        f"batch {args.batch_size}, input {args.input_len}, output {args.output_len}, "
+        f"{args.num_iters} iterations",
+        f"Avg latency: {result['avg_latency']:.4f} s",
+    ]
+    lines += [f"{p}% percentile latency: {v:.4f} s" for p, v in pcts.items()]
+    return _finish(result, args, lines)
+
+
+# --- throughput ---------------------------------------------------------------------------------
+def bench_throughput(args: argparse.Namespace) -> int:
+    from attnserve.sampling_params import SamplingParams
+
+    llm = _llm(args)
+    rng = random.Random(args.seed)
+    in_lens = random_lengths(args.num_prompts, args.input_len, args.range_ratio, rng)
+    out_lens = random_lengths(args.num_prompts, args.output_len, args.range_ratio, rng)
+    prompts = random_prompts(in_lens, llm.llm_engine.arch.vocab_size, rng)
+    params = [
+        SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for n in out_lens
+    ]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    total = sum(in_lens) + num_out
+    result = {
+        "elapsed_time": elapsed,
+        "num_requests": len(prompts),
+        "total_num_tokens": total,
+        "total_input_tokens": sum(in_lens),
+        "total_output_tokens": num_out,
+        "requests_per_second": len(prompts) / elapsed,
+        "tokens_per_second": total / elapsed,
+        "output_tokens_per_second": num_out / elapsed,
+    }
+    lines = [
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+        f"{result['tokens_per_second']:.2f} total tokens/s, "
+        f"{result['output_tokens_per_second']:.2f} output tokens/s "
+        f"({len(prompts)} requests in {elapsed:.2f} s)"
+    ]
+    return _finish(result, args, lines)
+
+
+# --- serve --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _RequestResult:
+    ok: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def _one_request(
+    client: Any, model: str, prompt: list[int], max_tokens: int
+) -> _RequestResult:
+    res = _RequestResult(prompt_len=len(prompt))
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+        res.latency = time.perf_counter() - start
+        res.ok = True
+    except Exception as e:  # noqa: BLE001 - a failed request is a figure, not a crash
+        res.error = repr(e)
+    return res
+
+
+async def _drive(args: argparse.Namespace) -> tuple[list[_RequestResult], float]:
+    import asyncio
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url or f"http://{args.host}:{args.port}"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=base, headers=headers, timeout=None, limits=limits
+    ) as client:
+        model = args.model
+        if model is None:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        rng = random.Random(args.seed)
+        in_lens = random_lengths(args.num_prompts, args.input_len, args.range_ratio, rng)
+        out_lens = random_lengths(args.num_prompts, args.output_len, args.range_ratio, rng)
+        prompts = random_prompts(in_lens, args.vocab_size, rng)
+        limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+
+        async def run(i: int) -> _RequestResult:
+            async with limit:
+                return await _one_request(client, model, prompts[i], out_lens[i])
+
+        start = time.perf_counter()
+        tasks = []
+        for i in range(args.num_prompts):
+            tasks.append(asyncio.create_task(run(i)))
+            if args.request_rate != math.inf:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def _summary(name: str, values: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values]
+    return {
+        f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
+        f"median_{name}_ms": _percentile(ms, 50),
+        f"p99_{name}_ms": _percentile(ms, 99),
+    }
+
+
+def bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    results, duration = asyncio.run(_drive(args))
+    ok = [r for r in results if r.ok]
+    num_in = sum(r.prompt_len for r in ok)
+    num_out = sum(r.output_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    result: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "request_rate": str(args.request_rate),
+        "max_concurrency": args.max_concurrency,
+        "total_input_tokens": num_in,
+        "total_output_tokens": num_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": num_out / duration,
+        "total_token_throughput": (num_in + num_out) / duration,
+        **_summary("ttft", [r.ttft for r in ok]),
+        **_summary("tpot", tpots),
+        **_summary("itl", [x for r in ok for x in r.itl]),
+        **_summary("e2el", [r.latency for r in ok]),
+        "errors": sorted({r.error for r in results if not r.ok})[:10],
+    }
+    lines = [
+        f"Successful requests: {len(ok)} (failed {result['failed']}) in {duration:.2f} s",
+        f"Request throughput: {result['request_throughput']:.2f} req/s, output "
+        f"{result['output_throughput']:.2f} tok/s, total {result['total_token_throughput']:.2f} tok/s",
+    ]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        lines.append(
+            f"{name.upper():>5} ms: mean {result[f'mean_{name}_ms']:.2f}, median "
+            f"{result[f'median_{name}_ms']:.2f}, p99 {result[f'p99_{name}_ms']:.2f}"
+        )
+    lines += [f"error: {e}" for e in result["errors"]]
+    return _finish(result, args, lines)
+
+
+# --- command line -------------------------------------------------------------------------------
+def _lengths_args(p: argparse.ArgumentParser, prompts: int) -> None:
+    p.add_argument("--num-prompts", type=int, default=prompts)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len * (1 - r), len * (1 + r)] (0: fixed)",
+    )
+
+
+def add_bench_subparsers(bench: argparse.ArgumentParser) -> None:
+    """The ``latency``, ``throughput`` and ``serve`` subcommands of ``attnserve bench``."""
+    from attnserve.entrypoints.cli import add_engine_args
+
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    lat = sub.add_parser("latency", help="latency of one batch, repeated")
+    lat.add_argument("--batch-size", type=int, default=8)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters-warmup", type=int, default=3)
+    lat.add_argument("--num-iters", type=int, default=10)
+    thr = sub.add_parser("throughput", help="offline throughput of random-token requests")
+    _lengths_args(thr, 1000)
+    for p, func in ((lat, bench_latency), (thr, bench_throughput)):
+        p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+        p.set_defaults(bench_func=func)
+        add_engine_args(p)  # includes --seed
+    srv = sub.add_parser("serve", help="drive a running server with streaming clients")
+    _lengths_args(srv, 200)
+    srv.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--model", default=None, help="default: the server's first model")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    srv.add_argument("--max-concurrency", type=int, default=None)
+    srv.add_argument(
+        "--vocab-size", type=int, default=1000, help="prompt token ids are drawn from [0, N)"
+    )
+    srv.add_argument("--seed", type=int, default=0)
+    srv.set_defaults(bench_func=bench_serve)
+    for p in (lat, thr, srv):
+        p.add_argument("--output-json", default=None, metavar="FILE")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return args.bench_func(args)

@@ -1,0 +1,217 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, errors, the API key, and ``attnserve serve``.
+
+Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events),
+``/v1/models``, ``/health``, ``/metrics``. Every error leaves as OpenAI words it,
+``{"error": {"message", "type", "param", "code"}}`` with its HTTP status. A client that goes
+away is noticed: a streamed request ends when its stream is cancelled, a whole-response request
+races its generation against the connection's ``http.disconnect``; either way the engine
+aborts the request and frees its blocks.
+
+Not here: the engine thread (``engine/async_engine.py``), building responses from outputs
+(``serving_*.py``), the wire models (``protocol.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from attnserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from attnserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from attnserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    validation_error,
+)
+from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+__all__ = ["build_app", "run_server"]
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _error(err: OpenAIError, metrics: ServerMetrics) -> Response:
+    metrics.record_error(err.status)
+    return _json(err.to_response(), err.status)
+
+
+class _ApiKeyMiddleware:
+    """Every route but ``/health`` needs ``Authorization: Bearer KEY`` (a plain ASGI wrapper,
+    so streaming and disconnects pass through untouched)."""
+
+    def __init__(self, app: Any, api_key: str, metrics: ServerMetrics):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = OpenAIError("Incorrect API key provided.", status=401, code="invalid_api_key")
+                await _error(err, self.metrics)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    try:
+        body = await request.json()
+    except ValueError as e:  # JSONDecodeError, bad UTF-8
+        raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from e
+    if not isinstance(body, dict):
+        raise OpenAIError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from e
+
+
+async def _disconnected(request: Request) -> None:
+    # after the body is read, the next ASGI message is the disconnect (or the response's end)
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
+    """Await ``work`` unless the client leaves first (then cancel it: the engine aborts)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is there to read it
+    result = task.result()
+    if isinstance(result, BaseModel):
+        return _json(result)
+    return StreamingResponse(
+        result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise OpenAIError(
+            f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found"
+        )
+
+
+def _internal_error(exc: Exception) -> OpenAIError:
+    logger.error("unhandled error", exc_info=exc)
+    return OpenAIError(f"internal error: {exc!r}", status=500)
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error leaves in OpenAI's shape, whatever raised it."""
+    to_openai: dict[type[Exception], Callable[[Any], OpenAIError]] = {
+        OpenAIError: lambda e: e,
+        StarletteHTTPException: lambda e: OpenAIError(str(e.detail), status=e.status_code),
+        RequestValidationError: lambda e: OpenAIError(str(e)),
+        EngineDeadError: lambda e: OpenAIError(str(e), status=503),
+        Exception: _internal_error,
+    }
+    for exc_type, convert in to_openai.items():
+
+        async def handler(request: Request, exc: Exception, convert=convert) -> Response:
+            return _error(convert(exc), metrics)
+
+        app.add_exception_handler(exc_type, handler)
+
+
+def build_app(
+    engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None
+) -> FastAPI:
+    """The FastAPI app over a running (or startable) engine; its lifespan stops the engine.
+
+    Args:
+        engine: the engine; ``start`` is called when the app starts.
+        served_model_name: the only model name requests may ask for.
+        api_key: when given, every route but ``/health`` requires it as a bearer token.
+    """
+    metrics = ServerMetrics()
+    completion = OpenAIServingCompletion(engine, served_model_name, metrics)
+    chat = OpenAIServingChat(engine, served_model_name, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="attnserve", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key, metrics=metrics)
+
+    _add_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_alive else 503)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(
+            id=served_model_name, root=engine.model, max_model_len=engine.max_model_len
+        )
+        return _json(ModelList(data=[card]))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        _check_model(req.model, served_model_name)
+        return await _respond(request, completion.create(req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        _check_model(req.model, served_model_name)
+        return await _respond(request, chat.create(req))
+
+    return app
+
+
+def run_server(
+    model: str,
+    engine_kwargs: dict[str, Any],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``)."""
+    import uvicorn
+
+    engine = AsyncLLMEngine.from_kwargs(model, **engine_kwargs)
+    app = build_app(engine, served_model_name or model, api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

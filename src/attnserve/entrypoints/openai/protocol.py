@@ -1,0 +1,399 @@
+"""The OpenAI wire format: pydantic request and response models, errors, server-sent events.
+
+Requests are parsed strictly (no string-to-number coercion) and unknown fields are refused, so
+a typo comes back as a 400 that names the field instead of being silently ignored. Parameters
+that OpenAI defines but this server does not implement parse, and ``check_supported`` refuses
+them by name. ``to_sampling_params`` turns a request into ``SamplingParams``; its validation
+messages become 400 errors.
+
+Not here: tokenising, talking to the engine, building responses from engine outputs
+(``serving_completion.py``, ``serving_chat.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from attnserve.sampling_params import SamplingParams
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ErrorInfo",
+    "ErrorResponse",
+    "OpenAIError",
+    "StreamOptions",
+    "UsageInfo",
+    "check_context",
+    "random_id",
+    "sse",
+    "validation_error",
+]
+
+MAX_LOGPROBS = 20
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def validation_error(exc: ValidationError) -> OpenAIError:
+    """The first problem pydantic found, as OpenAI words it."""
+    errors = exc.errors()
+    err = errors[0]
+    loc = [str(x) for x in err["loc"]]
+    param = loc[0] if loc else None
+    if err["type"] == "extra_forbidden":
+        return OpenAIError(f"Unrecognized request argument supplied: {'.'.join(loc)}", param=param)
+    if err["type"] == "missing":
+        return OpenAIError(f"Missing required parameter: '{'.'.join(loc)}'", param=param)
+    if sum(1 for e in errors if e["loc"][:1] == err["loc"][:1]) > 1:  # no member of a union fit
+        return OpenAIError(f"Invalid type for '{param}'", param=param, code="invalid_type")
+    return OpenAIError(
+        f"Invalid value for '{'.'.join(loc)}': {err['msg']}",
+        param=param,
+        code="invalid_type" if err["type"].endswith("_type") else None,
+    )
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: BaseModel | str) -> str:
+    """One server-sent event (``data: [DONE]`` ends a stream)."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+# --- requests -------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields both endpoints share (OpenAI's, then vLLM's extensions)."""
+
+    model: str
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    # vLLM's extensions (the openai client sends them through ``extra_body``)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    def _sampling(self, max_tokens: int, logprobs: int | None, **extra: Any) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                **extra,
+            )
+        except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
+            msg = str(e)
+            field = msg.split()[0]
+            raise OpenAIError(msg, param=field if field in type(self).model_fields else None) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError("best_of other than n is not supported", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise OpenAIError("prompt must not be an empty list", param="prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one text or token list each."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        logprobs_for_prompt = self.logprobs if self.echo else None
+        return self._sampling(max_tokens, self.logprobs, prompt_logprobs=logprobs_for_prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A message of the conversation; fields beyond these reach the chat template as given."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise OpenAIError("only the text response_format is supported", param="response_format")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise OpenAIError("tool calling is not supported", param="tools")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise OpenAIError(
+                    f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
+                )
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def check_context(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt"
+) -> int:
+    """The number of tokens to generate, or a 400 when the prompt and the completion do not fit.
+
+    ``max_tokens`` None means as many as the context leaves.
+    """
+    if max_tokens is not None and (isinstance(max_tokens, bool) or max_tokens < 1):
+        raise OpenAIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if num_prompt_tokens >= max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please reduce the length of the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt "
+            "or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+# --- responses ------------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "attnserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,195 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, one engine request.
+
+The conversation is rendered with the tokenizer's chat template and encoded without adding
+special tokens (the template writes them), as ``LLM.chat`` does. Streams start with the
+assistant role, then send text deltas, then each choice's finish reason.
+
+Not here: tool calling, images, reasoning parsers; the HTTP layer (``api_server.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+
+from attnserve.detokenizer import decode_token
+from attnserve.engine.async_engine import AsyncLLMEngine
+from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    OpenAIError,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    check_context,
+    random_id,
+    sse,
+)
+from attnserve.entrypoints.openai.serving_completion import StreamProgress, stop_holdback
+from attnserve.outputs import Logprob, RequestOutput
+
+__all__ = ["OpenAIServingChat"]
+
+
+class OpenAIServingChat:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+
+    async def create(
+        self, req: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """Check, submit and answer a chat request (an SSE stream when ``stream``).
+
+        Raises:
+            OpenAIError: the request cannot be served (nothing was submitted).
+        """
+        arrival = time.perf_counter()
+        req.check_supported()
+        ids = self._prompt_ids(req)
+        max_tokens = check_context(
+            len(ids), req.requested_max_tokens, self.engine.max_model_len, prompt_param="messages"
+        )
+        params = req.to_sampling_params(max_tokens)
+        rid = random_id("chatcmpl")
+        stream = self.metrics.track(
+            self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival
+        )
+        if req.stream:
+            return self._stream(rid, req, stream)
+        final: RequestOutput | None = None
+        async with aclosing(stream):
+            async for out in stream:
+                final = out
+        if final is None or not final.finished:
+            raise OpenAIError("the request was aborted", status=500)
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ResponseMessage(content=c.text),
+                logprobs=self._logprobs(req, c.token_ids, c.logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.outputs
+        ]
+        return ChatCompletionResponse(
+            id=rid, model=self.model_name, choices=choices, usage=_usage(final)
+        )
+
+    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not tok.has_chat_template:
+            raise OpenAIError(
+                "this model has no chat template; use /v1/completions", param="messages"
+            )
+        try:
+            text = tok.apply_chat_template(
+                [m.for_template() for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(str(e), param="messages") from e
+        ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise OpenAIError("the rendered conversation is empty", param="messages")
+        return ids
+
+    def _logprobs(
+        self,
+        req: ChatCompletionRequest,
+        ids: Sequence[int],
+        entries: Sequence[dict[int, Logprob]] | None,
+    ) -> ChatLogprobs | None:
+        if not req.logprobs:
+            return None
+        k = req.top_logprobs or 0
+        content = []
+        for tid, entry in zip(ids, entries or []):
+            top = sorted(
+                ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                key=lambda x: x[1].rank,
+            )
+            content.append(
+                TokenLogprob(
+                    **self._token(tid, entry[tid]),
+                    top_logprobs=[TopLogprob(**self._token(t, lp)) for t, lp in top],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def _token(self, tid: int, lp: Logprob) -> dict:
+        text = (
+            lp.decoded_token
+            if lp.decoded_token is not None
+            else decode_token(self.engine.tokenizer, tid)
+        )
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+    async def _stream(
+        self, rid: str, req: ChatCompletionRequest, stream: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(
+                ChatCompletionChunk(
+                    id=rid, created=created, model=self.model_name, choices=choices, usage=usage
+                )
+            )
+
+        progress = [StreamProgress() for _ in range(req.n)]
+        hold = stop_holdback(req.stop)
+        final = None
+        try:
+            yield chunk(
+                [
+                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    for i in range(req.n)
+                ]
+            )
+            async with aclosing(stream):
+                async for final in stream:
+                    choices = []
+                    for c in final.outputs:
+                        p = progress[c.index]
+                        if p.done:
+                            continue
+                        text, t0, t1 = p.advance(c, hold)
+                        if text or t1 > t0 or c.finished:
+                            choices.append(
+                                ChatStreamChoice(
+                                    index=c.index,
+                                    delta=DeltaMessage(content=text),
+                                    logprobs=self._logprobs(
+                                        req, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1]
+                                    ),
+                                    finish_reason=c.finish_reason,
+                                )
+                            )
+                    if choices:
+                        yield chunk(choices)
+            if req.include_usage and final is not None:
+                yield chunk([], _usage(final))
+        except Exception as e:  # noqa: BLE001 - the stream has started: report inside it
+            err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), status=500)
+            yield sse(err.to_response())
+        yield sse("[DONE]")
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )

@@ -1,0 +1,287 @@
+"""``POST /v1/completions``: prompts in, text completions out, whole or as server-sent events.
+
+A request may carry several prompts (texts or token-id lists); each is one engine request and
+its ``n`` completions are choices ``prompt_index * n + i``. Every prompt is checked before any
+is submitted, so a bad one leaves nothing running. Also the pieces both endpoints share:
+``StreamProgress`` (what a stream has sent of one completion) and ``merge`` (several output
+streams as one).
+
+Not here: the HTTP layer and error rendering (``api_server.py``), the wire models
+(``protocol.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from attnserve.detokenizer import decode_token
+from attnserve.engine.async_engine import AsyncLLMEngine
+from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIError,
+    UsageInfo,
+    check_context,
+    random_id,
+    sse,
+)
+from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+__all__ = ["OpenAIServingCompletion", "StreamProgress", "merge", "stop_holdback"]
+
+T = TypeVar("T")
+_DONE = object()
+
+
+@dataclass(slots=True)
+class StreamProgress:
+    """What a stream has sent of one completion: characters, tokens, and whether it ended."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # for completions-style logprobs
+    done: bool = False
+    prefix: str = ""  # sent before the first new text (the prompt, when echoing)
+
+    def advance(self, c: CompletionOutput, holdback: int) -> tuple[str, int, int]:
+        """New text and the range of new tokens of ``c`` since the last call.
+
+        While unfinished, the last ``holdback`` characters are kept back: they may be the start
+        of a stop string that the engine will cut from the text.
+        """
+        end = len(c.text) if c.finished else max(len(c.text) - holdback, self.num_chars)
+        text = c.text[self.num_chars : end]
+        start = self.num_tokens
+        self.num_chars = max(end, self.num_chars)
+        self.num_tokens = len(c.token_ids)
+        self.done = c.finished
+        return text, start, self.num_tokens
+
+
+def stop_holdback(stop: str | list[str] | None) -> int:
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    return max((len(s) for s in stops), default=1) - 1
+
+
+async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several streams as they come, tagged with the stream's index.
+
+    Closing the merged stream (or cancelling its consumer) closes every source stream.
+    """
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((i, item))
+            queue.put_nowait((i, _DONE))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is _DONE:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServingCompletion:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+
+    async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        """Check, submit and answer a completion request (an SSE stream when ``stream``).
+
+        Raises:
+            OpenAIError: the request cannot be served (nothing was submitted).
+        """
+        arrival = time.perf_counter()
+        req.check_supported()
+        prompts = [self._prompt_ids(p) for p in req.prompts()]
+        params = [
+            req.to_sampling_params(
+                check_context(len(ids), req.max_tokens, self.engine.max_model_len)
+            )
+            for _, ids in prompts
+        ]
+        rid = random_id("cmpl")
+        streams = [
+            self.metrics.track(
+                self.engine.generate(f"{rid}-{i}", {"prompt_token_ids": ids}, p), arrival
+            )
+            for i, ((_, ids), p) in enumerate(zip(prompts, params))
+        ]
+        if req.stream:
+            return self._stream(rid, req, prompts, streams)
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        async with aclosing(merge(streams)) as merged:
+            async for i, out in merged:
+                finals[i] = out
+        if any(f is None or not f.finished for f in finals):
+            raise OpenAIError("the request was aborted", status=500)
+        choices = [
+            self._chunk_choice(
+                req, i * req.n + c.index, StreamProgress(prefix=text if req.echo else ""), c, out
+            )
+            for i, ((text, _), out) in enumerate(zip(prompts, finals))
+            for c in out.outputs
+        ]
+        return CompletionResponse(
+            id=rid, model=self.model_name, choices=choices, usage=_usage(finals)
+        )
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """(prompt text, token ids), checked as the engine would check them."""
+        tok = self.engine.tokenizer
+        if isinstance(prompt, str):
+            if tok is None:
+                raise OpenAIError("this model has no tokenizer: send token ids", param="prompt")
+            ids = tok.encode(prompt)
+            text = prompt
+        else:
+            ids = list(prompt)
+            vocab = self.engine.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise OpenAIError(
+                    f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt"
+                )
+            text = tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+        if not ids:
+            raise OpenAIError("the prompt is empty", param="prompt")
+        return text, ids
+
+    def _add_logprobs(
+        self,
+        into: CompletionLogprobs,
+        p: StreamProgress,
+        ids: Sequence[int],
+        entries: Sequence[dict[int, Logprob] | None],
+    ) -> None:
+        tok = self.engine.tokenizer
+        for tid, entry in zip(ids, entries):
+            text = (
+                entry[tid].decoded_token
+                if entry and entry[tid].decoded_token is not None
+                else decode_token(tok, tid)
+                if tok is not None
+                else ""
+            )
+            into.tokens.append(text)
+            into.text_offset.append(p.text_offset)
+            p.text_offset += len(text)
+            into.token_logprobs.append(entry[tid].logprob if entry else None)
+            into.top_logprobs.append(
+                None
+                if not entry
+                else {
+                    (lp.decoded_token if lp.decoded_token is not None else str(t)): lp.logprob
+                    for t, lp in entry.items()
+                }
+            )
+
+    async def _stream(
+        self,
+        rid: str,
+        req: CompletionRequest,
+        prompts: list[tuple[str, list[int]]],
+        streams: list[AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = req.n
+        progress = [
+            StreamProgress(prefix=prompts[k // n][0] if req.echo else "")
+            for k in range(len(prompts) * n)
+        ]
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async with aclosing(merge(streams)) as merged:
+                async for i, out in merged:
+                    finals[i] = out
+                    choices = []
+                    for c in out.outputs:
+                        k = i * n + c.index
+                        choice = self._chunk_choice(req, k, progress[k], c, out)
+                        if choice is not None:
+                            choices.append(choice)
+                    if choices:
+                        yield sse(
+                            CompletionResponse(
+                                id=rid, created=created, model=self.model_name, choices=choices
+                            )
+                        )
+            if req.include_usage:
+                yield sse(
+                    CompletionResponse(
+                        id=rid,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
+                        usage=_usage(finals),
+                    )
+                )
+        except Exception as e:  # noqa: BLE001 - the stream has started: report inside it
+            err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), status=500)
+            yield sse(err.to_response())
+        yield sse("[DONE]")
+
+    def _chunk_choice(
+        self,
+        req: CompletionRequest,
+        index: int,
+        p: StreamProgress,
+        c: CompletionOutput,
+        out: RequestOutput,
+    ) -> CompletionChoice | None:
+        """What completion ``c`` adds since ``p``; None when nothing (or it already ended).
+
+        With a fresh ``p`` and a finished ``c`` this is the whole choice."""
+        if p.done:
+            return None
+        first = p.num_tokens == 0
+        text, t0, t1 = p.advance(c, stop_holdback(req.stop))
+        if not text and t0 == t1 and not c.finished:
+            return None
+        prefix, p.prefix = p.prefix, ""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if req.echo and first:
+                self._add_logprobs(logprobs, p, out.prompt_token_ids, out.prompt_logprobs or [])
+            self._add_logprobs(logprobs, p, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1])
+        return CompletionChoice(
+            index=index,
+            text=prefix + text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+
+def _usage(finals: Sequence[RequestOutput | None]) -> UsageInfo:
+    prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
+    completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )

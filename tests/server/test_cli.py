@@ -1,0 +1,221 @@
+"""``attnserve serve`` as a real subprocess, and ``attnserve bench latency|throughput|serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from attnserve.entrypoints.bench import random_lengths
+from attnserve.entrypoints.cli import build_parser, main
+from attnserve.sampling_params import SamplingParams
+from tests.server.conftest import API_KEY
+
+
+def test_serve_defaults_to_loopback_and_the_demo_model():
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.model, args.api_key) == ("127.0.0.1", 8000, None, None)
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "some/dir",
+            "--port",
+            "9",
+            "--api-key",
+            "k",
+            "--served-model-name",
+            "n",
+            "--max-num-seqs",
+            "4",
+        ]
+    )
+    assert (args.model, args.port, args.api_key, args.served_model_name, args.max_num_seqs) == (
+        "some/dir",
+        9,
+        "k",
+        "n",
+        4,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_subprocess(model_dir, reference, tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "attnserve",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--api-key",
+            "s3cret",
+            "--served-model-name",
+            "served",
+            "--kv-cache-memory",
+            "0.01",
+            "--uvicorn-log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        assert httpx.get(base + "/v1/models").status_code == 401
+        with openai.OpenAI(api_key="s3cret", base_url=base + "/v1", max_retries=0) as c:
+            assert [m.id for m in c.models.list().data] == ["served"]
+            resp = c.completions.create(
+                model="served", prompt="hello", max_tokens=6, temperature=0.0
+            )
+        ref = reference.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=6))[0]
+        assert resp.choices[0].text == ref.outputs[0].text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "serve.log").read_text()
+
+
+def test_random_lengths():
+    rng = random.Random(0)
+    assert random_lengths(5, 10, 0.0, rng) == [10] * 5
+    lens = random_lengths(200, 10, 0.5, rng)
+    assert min(lens) >= 5 and max(lens) <= 15 and len(set(lens)) > 5
+
+
+def test_bench_latency(model_dir, tmp_path):
+    out = tmp_path / "lat.json"
+    rc = main(
+        [
+            "bench",
+            "latency",
+            "--model",
+            str(model_dir),
+            "--batch-size",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--num-iters-warmup",
+            "1",
+            "--num-iters",
+            "3",
+            "--kv-cache-memory",
+            "0.01",
+            "--output-json",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    assert rc == 0 and len(result["latencies"]) == 3 and result["avg_latency"] > 0
+    assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert min(result["latencies"]) <= result["percentiles"]["50"] <= max(result["latencies"])
+
+
+def _expected_lengths(n: int, input_len: int, output_len: int, ratio: float, seed: int = 0):
+    rng = random.Random(seed)
+    return random_lengths(n, input_len, ratio, rng), random_lengths(n, output_len, ratio, rng)
+
+
+def test_bench_throughput(model_dir, tmp_path):
+    out = tmp_path / "thr.json"
+    rc = main(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(model_dir),
+            "--num-prompts",
+            "16",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--range-ratio",
+            "0.5",
+            "--kv-cache-memory",
+            "0.01",
+            "--output-json",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    ins, outs = _expected_lengths(16, 16, 8, 0.5)
+    assert rc == 0 and result["num_requests"] == 16
+    assert result["total_input_tokens"] == sum(ins)
+    assert result["total_output_tokens"] == sum(outs)  # ignore_eos: every request runs to its end
+    assert result["requests_per_second"] == pytest.approx(16 / result["elapsed_time"])
+
+
+def test_bench_serve(server, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--port",
+            str(server.port),
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "24",
+            "--input-len",
+            "16",
+            "--output-len",
+            "6",
+            "--range-ratio",
+            "0.5",
+            "--request-rate",
+            "100",
+            "--max-concurrency",
+            "8",
+            "--vocab-size",
+            "2048",
+            "--output-json",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    ins, outs = _expected_lengths(24, 16, 6, 0.5)
+    assert rc == 0 and result["completed"] == 24 and result["failed"] == 0, result["errors"]
+    assert result["total_input_tokens"] == sum(ins)
+    assert result["total_output_tokens"] == sum(outs)
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"]
+    assert result["mean_ttft_ms"] < result["mean_e2el_ms"]
+    assert "Request throughput" in capsys.readouterr().out
+    server.wait_idle()
