@@ -31,6 +31,7 @@ class ModelConfig:
     seed: int = 0
     device: str | None = None  # cpu | cuda | cuda:N; None: this machine's platform
     served_model_name: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 
+from attnserve import env
 from attnserve.arch import LayerKind
 from attnserve.attention.backend import AttentionBackend, BackendRequest, Capabilities
 from attnserve.platforms.base import Platform
@@ -96,9 +97,11 @@ def validate(entry: BackendEntry, req: BackendRequest, platform: Platform) -> li
     if req.kind not in caps.layer_kinds:
         kinds = ", ".join(sorted(k.value for k in caps.layer_kinds))
         reasons.append(f"does not handle {req.kind.value} layers (handles {kinds})")
-    if platform.name not in caps.platforms:
+    # Triton kernels also run on CPU tensors under the interpreter (tests, debugging)
+    interpreted = platform.name == "cpu" and "triton" in caps.requires and env.triton_interpret()
+    if platform.name not in caps.platforms and not interpreted:
         reasons.append(f"runs on {', '.join(caps.platforms)}, not on {platform.name}")
-    else:
+    elif platform.name in caps.platforms:
         min_cc = caps.platforms[platform.name]
         cc = platform.compute_capability
         if min_cc is not None and cc is not None and cc < min_cc:

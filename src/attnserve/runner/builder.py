@@ -124,7 +124,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          f"but one sequence of max_model_len={max_len} needs {one_seq}; lower max_model_len "
                          f"or give the cache more memory")
     allocate_kv_cache(model, layout, num_blocks, device, backends)
-    runner = ModelRunner(model, arch, groups, backends, device)
+    runner = ModelRunner(model, arch, groups, backends, device, max_model_len=max_len,
+                         max_num_seqs=config.scheduler.max_num_seqs, cuda_graphs=not config.model.enforce_eager)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
                        dtype=dtype, platform=platform, groups=groups, backend_names=backend_names,
                        num_blocks=num_blocks, kv_manager=kv, runner=runner)

@@ -17,6 +17,7 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from attnserve.kvcache.groups import KVCacheGroup
+from attnserve.layers.rotary import RotaryEmbedding
 from attnserve.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from attnserve.runner.forward_context import ForwardContext, forward_context
 
@@ -35,7 +36,8 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArch, groups: list[KVCacheGroup],
-                 backends: list[AttentionBackend], device: torch.device):
+                 backends: list[AttentionBackend], device: torch.device, *, max_model_len: int,
+                 max_num_seqs: int, cuda_graphs: bool = False):
         self.model = model
         self.arch = arch
         self.groups = groups
@@ -43,6 +45,20 @@ class ModelRunner:
         self.device = device
         self.block_size = groups[0].block_size
         self.sampler = Sampler()
+        for m in model.modules():  # RoPE tables sized once: no per-step host syncs
+            if isinstance(m, RotaryEmbedding):
+                m.reserve(max_model_len, device)
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda":
+            self._capture_graphs(backends, max_num_seqs, max_model_len)
+
+    def _capture_graphs(self, backends, max_num_seqs: int, max_model_len: int) -> None:
+        from attnserve.runner.cuda_graph import CudaGraphRunner  # imports Triton: CUDA only
+
+        if CudaGraphRunner.supported(backends):
+            self.graphs = CudaGraphRunner(self.model, backends, self.arch.num_kv_heads, self.block_size,
+                                          max_num_seqs, max_model_len, self.device)
+            self.graphs.capture()
 
     # --- inputs -----------------------------------------------------------------------------
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, ForwardContext]:
@@ -94,8 +110,12 @@ class ModelRunner:
         # decodes first: backends batch them together
         scheduled = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, ctx = self._prepare(scheduled)
-        with forward_context(ctx):
-            hidden = self.model(input_ids, ctx.common.positions)
+        if self.graphs is not None and ctx.common.num_decodes == len(scheduled) \
+                and self.graphs.bucket_for(len(scheduled)) is not None:
+            hidden = self.graphs.run(input_ids, ctx)
+        else:
+            with forward_context(ctx):
+                hidden = self.model(input_ids, ctx.common.positions)
         result = RunnerOutput()
         qsl = ctx.common.query_start_loc_cpu
         sample_rows, sample_reqs = [], []

@@ -1,0 +1,79 @@
+"""TRITON_ATTN: standard attention over the paged cache with the Triton kernels (CUDA, ROCm).
+
+New K/V go into the cache with one kernel; decodes and prefills then run as two launches of
+``unified_attention`` (decodes take the split-KV decode path, prefills the tiled one). Every
+feature of the layer (window, ALiBi, sinks, soft-cap, fp8 cache) is a kernel argument. The
+metadata holds device tensors and host-side bounds only, so a decode batch built from static
+buffers can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.attention.ops.triton_kv_write import write_kv_cache
+from attnserve.attention.ops.triton_paged_attention import unified_attention
+
+__all__ = ["TritonAttentionBackend", "TritonAttentionMetadata", "TritonBatchPart"]
+
+
+@dataclass(slots=True)
+class TritonBatchPart:
+    """One launch: its requests' block tables, query offsets (from 0) and lengths."""
+
+    token_start: int
+    token_end: int
+    block_table: torch.Tensor  # [n, max_blocks] int32
+    query_start_loc: torch.Tensor  # [n + 1] int32, starting at 0
+    seq_lens: torch.Tensor  # [n] int32
+    max_query_len: int
+    max_seq_len: int
+    num_splits: int | None = None  # fixed when captured in a CUDA graph
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    parts: list[TritonBatchPart]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "TRITON_ATTN"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TritonAttentionMetadata:
+        bt = common.block_tables[group_id]
+        qsl = common.query_start_loc
+        nd = common.num_decodes
+        n = common.num_reqs
+        parts = []
+        if nd:
+            parts.append(TritonBatchPart(0, nd, bt[:nd], qsl[: nd + 1], common.seq_lens[:nd], 1,
+                                         max(common.seq_lens_cpu[:nd])))
+        if nd < n:
+            start = common.query_start_loc_cpu[nd]
+            qlens = common.query_lens_cpu[nd:]
+            parts.append(TritonBatchPart(start, common.num_tokens, bt[nd:], qsl[nd:] - start,
+                                         common.seq_lens[nd:], max(qlens), max(common.seq_lens_cpu[nd:])))
+        return TritonAttentionMetadata(common.slot_mappings[group_id], parts)
+
+    def forward(self, layer, q, k, v, kv_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        num_tokens = metadata.slot_mapping.shape[0]
+        write_kv_cache(k[:num_tokens], v[:num_tokens], key_cache, value_cache, metadata.slot_mapping,
+                       layer.k_scale, layer.v_scale)
+        out = torch.empty(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=q.dtype, device=q.device)
+        for part in metadata.parts:
+            s, e = part.token_start, part.token_end
+            unified_attention(q[s:e], key_cache, value_cache, out[s:e], part.block_table, part.query_start_loc,
+                              part.seq_lens, scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes,
+                              sinks=layer.sinks, softcap=layer.softcap, k_scale=layer.k_scale,
+                              v_scale=layer.v_scale, max_query_len=part.max_query_len,
+                              max_seq_len=part.max_seq_len, num_splits=part.num_splits)
+        return out
