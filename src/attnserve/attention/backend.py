@@ -75,4 +75,8 @@ class AttentionBackend(ABC):
             metadata: what ``build_metadata`` returned for the layer's group.
         Returns:
             [num_tokens, num_heads, head_size_v] attention output.
+
+        MLA backends take the same call with MLA meanings: ``q`` is [T, H, qk_nope + qk_rope]
+        (q_nope, then the rotated q_pe), ``k`` the new latent rows [T, kv_lora_rank + qk_rope]
+        (c_kv after its norm, k_pe after RoPE), ``v`` None, and the output [T, H, v_head_dim].
         """

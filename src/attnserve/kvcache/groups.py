@@ -87,6 +87,9 @@ def layer_specs(spec: LayerSpec, model_dtype: str, cache: CacheConfig) -> list[t
                                          sliding_window=spec.window))]
     if kind.is_mla:
         assert spec.mla is not None
+        if kv_dtype == "fp8" and spec.mla.kv_lora_rank % 128:
+            raise ValueError(f"kv_cache_dtype fp8 stores MLA latents in tiles of 128 values; kv_lora_rank "
+                             f"{spec.mla.kv_lora_rank} is not a multiple of 128")
         out: list[tuple[str, KVCacheSpec]] = [
             ("latent", MLAAttentionSpec(block_size=bs, dtype=kv_dtype, kv_lora_rank=spec.mla.kv_lora_rank,
                                         qk_rope_head_dim=spec.mla.qk_rope_head_dim))]

@@ -29,6 +29,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "qwen3_moe": "attnserve.models.moe_families:MoEForCausalLM",
     "glm4_moe": "attnserve.models.moe_families:MoEForCausalLM",
     "gpt_oss": "attnserve.models.gpt_oss:GptOssForCausalLM",
+    "deepseek_v2": "attnserve.models.deepseek:DeepseekForCausalLM",
+    "deepseek_v3": "attnserve.models.deepseek:DeepseekForCausalLM",
+    "kimi_k2": "attnserve.models.deepseek:DeepseekForCausalLM",
 }
 
 
