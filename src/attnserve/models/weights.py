@@ -91,8 +91,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
 def dummy_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Seeded random weights of the right shapes: matrices ~ N(0, std); vectors keep their init
     (norm weights 1 or 0, biases 0)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+        for i, (_, p) in enumerate(sorted(model.named_parameters())):
+            if p.dim() >= 2:  # drawn where the parameter lives: an 8B model on a GPU takes seconds
+                gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
+                p.normal_(0.0, std, generator=gen)

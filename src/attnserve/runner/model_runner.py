@@ -79,11 +79,9 @@ class ModelRunner:
         dev = self.device
         block_tables = []
         for g in range(len(self.groups)):
-            width = max(len(s.block_ids[g]) for s in scheduled)
-            table = torch.zeros(len(scheduled), max(width, 1), dtype=torch.int32)
-            for i, s in enumerate(scheduled):
-                table[i, : len(s.block_ids[g])] = torch.tensor(s.block_ids[g], dtype=torch.int32)
-            block_tables.append(table.to(dev))
+            width = max(1, max(len(s.block_ids[g]) for s in scheduled))
+            rows = [s.block_ids[g] + [0] * (width - len(s.block_ids[g])) for s in scheduled]
+            block_tables.append(torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True))
         num_decodes = 0
         while num_decodes < len(scheduled) and scheduled[num_decodes].num_new_tokens == 1:
             num_decodes += 1

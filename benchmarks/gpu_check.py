@@ -1,0 +1,164 @@
+"""The CUDA path against transformers on the GPU: every implemented family, float32 and bf16.
+
+For each family: a tiny random model (the CPU parity configs), transformers' eager forward and
+greedy generation on the GPU as the reference, and attnserve on the GPU (TRITON_ATTN with CUDA
+graphs; MLA families on their own backend). float32 must agree within 1e-4 in prompt logprobs
+with identical greedy tokens; bf16 is reported (max logprob deviation, greedy agreement), since
+bf16 rounding moves logits by about 1e-2. Also checks that CUDA-graph decode equals eager decode.
+
+    python benchmarks/gpu_check.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tests.models.parity import VOCAB, make_prompts  # noqa: E402
+
+DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "llama3_gqa": ("llama", dict(DENSE, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 32})),
+    "qwen3": ("qwen3", dict(DENSE, head_dim=32)),
+    "mistral_window": ("mistral", dict(DENSE, sliding_window=8)),
+    "phi3": ("phi3", dict(DENSE, num_key_value_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    "starcoder2": ("starcoder2", dict(DENSE, sliding_window=8, bos_token_id=1, eos_token_id=2,
+                                      residual_dropout=0.0, embedding_dropout=0.0)),
+    "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=4, bos_token_id=1,
+                          eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)),
+    "falcon_gqa": ("falcon", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_kv_heads=2, new_decoder_architecture=True, parallel_attn=True, alibi=False,
+                                  bias=False, bos_token_id=1, eos_token_id=2)),
+    "bloom_alibi": ("bloom", dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
+                                  eos_token_id=2, tie_word_embeddings=False)),
+    "gemma2": ("gemma2", dict(DENSE, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0, bos_token_id=1,
+                              eos_token_id=2, pad_token_id=0)),
+    "mixtral": ("mixtral", dict(DENSE, num_local_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("gpt_oss", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=2048,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 64})),
+    "deepseek_v3": ("deepseek_v3", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                        moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                        num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
+                                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                        first_k_dense_replace=1, q_lora_rank=32, n_group=2, topk_group=1)),
+}
+LENGTHS = [5, 12, 19, 27, 40, 64]
+NEW = 16
+
+
+@torch.no_grad()
+def reference(model, prompts):
+    dev = next(model.parameters()).device
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    plp, greedy = [], []
+    for p in prompts:
+        ids = torch.tensor([p], device=dev)
+        plp.append(torch.log_softmax(model(ids).logits[0].float()[:-1], -1).cpu())
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                             min_new_tokens=NEW)
+        greedy.append(gen[0, len(p):].tolist())
+    return plp, greedy
+
+
+def compare(outs, prompts, plp, greedy):
+    worst, agree = 0.0, 0
+    for i, o in enumerate(outs):
+        agree += o.outputs[0].token_ids == greedy[i]
+        for pos in range(1, len(prompts[i])):
+            tok = prompts[i][pos]
+            worst = max(worst, abs(o.prompt_logprobs[pos][tok].logprob - plp[i][pos - 1, tok].item()))
+    return worst, agree / len(outs)
+
+
+def check_family(name: str, dtype: str, device: str = "cuda") -> dict:
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from attnserve import LLM, SamplingParams
+
+    model_type, kwargs = FAMILIES[name]
+    tdtype = getattr(torch, dtype)
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(0)
+        cfg = CONFIG_MAPPING[model_type](**{"initializer_range": 0.1, **kwargs})
+        hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+        hf.save_pretrained(d)
+        hf = hf.to(device, tdtype)
+        prompts = make_prompts(LENGTHS)
+        plp, greedy = reference(hf, prompts)
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, prompt_logprobs=1)
+        row = {"family": name, "dtype": dtype}
+        for mode, extra in (("graphs", {}), ("eager", {"enforce_eager": True}),
+                            ("chunked", {"max_num_batched_tokens": 16, "enforce_eager": True})):
+            llm = LLM(d, dtype=dtype, device=device, block_size=16, max_model_len=256, max_num_seqs=8, **extra)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            worst, agree = compare(outs, prompts, plp, greedy)
+            row[mode] = {"max_dlogprob": worst, "greedy_agree": agree, "backends": llm.llm_engine.parts.backend_names,
+                         "graphs": llm.llm_engine.runner.graphs is not None}
+            row.setdefault("tokens", {})[mode] = [o.outputs[0].token_ids for o in outs]
+            del llm
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        row["graphs_equal_eager"] = row["tokens"]["graphs"] == row["tokens"]["eager"]
+        del row["tokens"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    args = ap.parse_args()
+    rows = []
+    start = time.time()
+    for name in args.only or FAMILIES:
+        for dtype in args.dtypes:
+            try:
+                rows.append(check_family(name, dtype, args.device))
+            except Exception as e:  # one family failing must not hide the others
+                rows.append({"family": name, "dtype": dtype, "error": f"{type(e).__name__}: {e}",
+                             "trace": traceback.format_exc()[-2000:]})
+                print(rows[-1]["trace"], file=sys.stderr)
+    out = os.environ.get("OUT")
+    path = args.json or (os.path.join(out, "gpu_check.json") if out else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=2)
+    print(f"\nCUDA parity against transformers ({time.time() - start:.0f} s); dlogprob = max |prompt logprob "
+          f"difference|, agree = share of prompts whose {NEW} greedy tokens are identical")
+    print(f"{'family':<16}{'dtype':<10}{'backend':<14}{'graphs dlp/agree':>20}{'eager dlp/agree':>20}"
+          f"{'chunked dlp/agree':>20}  graphs==eager")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['family']:<16}{r['dtype']:<10}ERROR {r['error'][:90]}")
+            continue
+        cells = [f"{r[m]['max_dlogprob']:.1e}/{r[m]['greedy_agree']:.2f}" for m in ("graphs", "eager", "chunked")]
+        backend = ",".join(sorted(set(r["graphs"]["backends"])))
+        print(f"{r['family']:<16}{r['dtype']:<10}{backend:<14}{cells[0]:>20}{cells[1]:>20}{cells[2]:>20}  "
+              f"{r['graphs_equal_eager']} (graphs {'on' if r['graphs']['graphs'] else 'off'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Engine benchmarks on one GPU: Llama-3.1-8B-shaped latency at batch 1, and the nano-vllm
+throughput workload (Qwen3-0.6B shape, 256 requests, input and output lengths uniform in
+100..1024, random token ids, EOS ignored) against transformers ``generate`` in the same run.
+
+Both models use random (dummy) weights in bfloat16. The latency figure is compared with the
+bandwidth floor of the bytes a decode step must read (weights without the input embedding,
+plus the KV cache), at the measured 4.25 TB/s copy bandwidth.
+
+    python benchmarks/gpu_engine.py [--skip-hf] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from attnserve import LLM, SamplingParams  # noqa: E402
+from attnserve.presets import resolve_config_path  # noqa: E402
+
+BANDWIDTH = 4.25e12
+
+
+def model_dir(name: str) -> str:
+    d = tempfile.mkdtemp(prefix="attnserve_bench_")
+    shutil.copy(resolve_config_path(name), Path(d) / "config.json")
+    return d
+
+
+def latency_8b(input_len: int = 128, output_len: int = 256) -> dict:
+    d = model_dir("meta-llama/Llama-3.1-8B-Instruct")
+    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85)
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    params = sum(p.numel() for p in llm.llm_engine.runner.model.parameters())
+    weight_bytes = (params - cfg["vocab_size"] * cfg["hidden_size"]) * 2  # the input embedding is not read
+    prompt = {"prompt_token_ids": random.Random(0).choices(range(1000, 100000), k=input_len)}
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))  # warm-up
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompt, sp)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    elapsed = sorted(times)[1]
+    # decode tokens/s: subtract one prefill (measured separately)
+    t = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    torch.cuda.synchronize()
+    prefill = time.perf_counter() - t
+    decode_tps = (output_len - 1) / (elapsed - prefill)
+    kv_bytes = (input_len + output_len / 2) * 32 * 8 * 128 * 2 * 2
+    floor_s = (weight_bytes + kv_bytes) / BANDWIDTH
+    del llm
+    torch.cuda.empty_cache()
+    return {"params": params, "weight_bytes": weight_bytes, "request_s": elapsed, "prefill_s": prefill,
+            "decode_tok_s": decode_tps, "floor_tok_s": 1 / floor_s, "fraction_of_floor": decode_tps * floor_s}
+
+
+def workload(n: int = 256, lo: int = 100, hi: int = 1024, vocab: int = 151936, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(1000, vocab - 1000) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
+            for _ in range(n)]
+
+
+def throughput_attnserve(reqs) -> dict:
+    d = model_dir("Qwen/Qwen3-0.6B")
+    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
+              max_num_batched_tokens=16384, gpu_memory_utilization=0.85)
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    llm.generate(prompts[:8], params[:8])  # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = llm.llm_engine.scheduler.stats
+    del llm
+    torch.cuda.empty_cache()
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "tok_s": out_tokens / elapsed,
+            "steps": stats.steps, "preemptions": stats.num_preemptions}
+
+
+def throughput_hf(reqs, batch: int = 256) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(Path(model_dir("Qwen/Qwen3-0.6B"))))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    useful = 0
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, (p, _) in enumerate(chunk):  # left padding
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        new = max(o for _, o in chunk)
+        with torch.inference_mode():
+            model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=False, max_new_tokens=new,
+                           min_new_tokens=new)
+        useful += sum(o for _, o in chunk)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    return {"elapsed_s": elapsed, "useful_output_tokens": useful, "tok_s": useful / elapsed, "batch": batch}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    result: dict = {"device": torch.cuda.get_device_name()}
+    if not args.skip_latency:
+        result["latency_8b"] = latency_8b()
+        print("latency", result["latency_8b"], flush=True)
+    reqs = workload()
+    result["nano_vllm_attnserve"] = throughput_attnserve(reqs)
+    print("attnserve", result["nano_vllm_attnserve"], flush=True)
+    if not args.skip_hf:
+        result["nano_vllm_transformers"] = throughput_hf(reqs)
+        print("transformers", result["nano_vllm_transformers"], flush=True)
+    out = os.environ.get("OUT")
+    path = args.json or (os.path.join(out, "gpu_engine.json") if out else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    print("\n| benchmark | result |\n| --- | --- |")
+    if "latency_8b" in result:
+        r = result["latency_8b"]
+        print(f"| Llama-3.1-8B shape, batch 1 decode | {r['decode_tok_s']:.1f} tok/s; floor {r['floor_tok_s']:.0f} tok/s "
+              f"({r['fraction_of_floor']:.0%} of it) |")
+    r = result["nano_vllm_attnserve"]
+    line = f"| nano-vllm workload (Qwen3-0.6B, 256 req) | attnserve {r['tok_s']:.0f} tok/s ({r['elapsed_s']:.1f} s)"
+    if "nano_vllm_transformers" in result:
+        h = result["nano_vllm_transformers"]
+        line += f"; transformers {h['tok_s']:.0f} tok/s; ratio {r['tok_s'] / h['tok_s']:.1f}x"
+    print(line + " |")
+
+
+if __name__ == "__main__":
+    main()
