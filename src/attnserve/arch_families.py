@@ -577,7 +577,9 @@ def _indexer_types(r: Reader) -> list[str]:
 def _dsa(r: Reader) -> Built:
     types = _indexer_types(r)
     n_heads, head_dim, topk = r.int("index_n_heads"), r.int("index_head_dim"), r.int("index_topk")
-    interleaved = bool(r.get("indexer_rope_interleave", default=False))  # missing: NeoX (DeepSeek)
+    # a missing field means NeoX for DeepSeek; GLM-5 is interleaved (transformers hard-codes it
+    # and does not write the field when it saves a glm_moe_dsa config)
+    interleaved = bool(r.get("indexer_rope_interleave", default=r.model_type == "glm_moe_dsa"))
 
     def indexer(i: int) -> IndexerDims:
         return IndexerDims(n_heads=n_heads, head_dim=head_dim, topk=topk, rope_interleaved=interleaved,

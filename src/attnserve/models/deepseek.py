@@ -1,14 +1,18 @@
-"""DeepSeek-V2/V3 decoders and the families that share them (deepseek_v2, deepseek_v3, kimi_k2).
+"""DeepSeek-V2/V3 decoders and the families that share them (deepseek_v2, deepseek_v3, kimi_k2,
+and the sparse-MLA ones: deepseek_v32, glm_moe_dsa).
 
 Each layer is MLA attention (``layers/mla.py``) and an MLP: a dense SwiGLU MLP for the first
 ``first_k_dense_replace`` layers (``LayerSpec.moe`` False), DeepSeek MoE after them (routed
 experts with softmax greedy / group-limited greedy (V2) or sigmoid noaux_tc with a correction
-bias (V3, Kimi-K2), plus shared experts; ``layers/moe.py``). Kimi-K2 is DeepSeek-V3 under its
-own model type.
+bias (V3, V3.2, Kimi-K2, GLM-5), plus shared experts; ``layers/moe.py``). Kimi-K2 is
+DeepSeek-V3 under its own model type. DeepSeek-V3.2 and GLM-5 are the same decoder with DSA
+attention (``LayerKind.SPARSE_MLA``: the lightning indexer selects each token's top-k keys);
+the model threads each layer's top-k to the next, so that a GLM-5 "shared" layer reuses the
+previous full layer's selection (None before the first sparse layer and for dense MLA).
 
-Not here: the multi-token-prediction layer that V3 checkpoints carry after the last layer
-(its weights are skipped), FP8 block-quantised checkpoint weights (``weight_scale_inv``), and
-the sparse (DSA) V3.2 variant.
+Not here: the multi-token-prediction layer that V3 / V3.2 / GLM-5 checkpoints carry after the
+last layer (its weights are skipped), FP8 block-quantised checkpoint weights
+(``weight_scale_inv``).
 """
 
 from __future__ import annotations
@@ -48,9 +52,15 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps=eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, topk_indices: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(positions [T], hidden [T, D], previous top-k) -> (hidden [T, D], this layer's top-k)."""
+        attn, topk_indices = self.self_attn.forward_with_topk(
+            positions, self.input_layernorm(hidden), topk_indices
+        )
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), topk_indices
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -66,8 +76,9 @@ class DeepseekForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        topk_indices = None  # [T, index_topk] the previous layer attended over (DSA models)
         for layer in self.layers:
-            hidden = layer(positions, hidden)
+            hidden, topk_indices = layer(positions, hidden, topk_indices)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

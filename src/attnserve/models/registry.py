@@ -32,6 +32,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "deepseek_v2": "attnserve.models.deepseek:DeepseekForCausalLM",
     "deepseek_v3": "attnserve.models.deepseek:DeepseekForCausalLM",
     "kimi_k2": "attnserve.models.deepseek:DeepseekForCausalLM",
+    "deepseek_v32": "attnserve.models.deepseek:DeepseekForCausalLM",
+    "glm_moe_dsa": "attnserve.models.deepseek:DeepseekForCausalLM",
 }
 
 
