@@ -121,13 +121,22 @@ def attend_absorbed(
     d_nope = q.shape[-1] - (latent.shape[-1] - kv_lora_rank)
     w_uk, w_uv = w_kv_b[:, :d_nope], w_kv_b[:, d_nope:]
     q_nope, q_pe = q[..., :d_nope], q[..., d_nope:]
+    b, q_len, heads = q.shape[:3]
+    s_len = latent.shape[1]
     q_latent = torch.einsum("bqhd,hdl->bqhl", q_nope, w_uk)  # [B, Q, H, L]
-    q_abs = torch.cat([q_latent, q_pe], dim=-1).transpose(1, 2)  # [B, H, Q, L + R]
+    # one latent KV head: fold the heads into the query rows, so the keys are never repeated
+    # per head (SDPA's enable_gqa would materialise H copies of them on some devices)
+    q_abs = torch.cat([q_latent, q_pe], dim=-1).transpose(1, 2).reshape(b, 1, heads * q_len, -1)  # [B, 1, H*Q, L+R]
     keys = latent[:, None]  # [B, 1, S, L + R]
-    masking = _mask_or_causal(mask, q.shape[1], latent.shape[1], q.device)
-    u = F.scaled_dot_product_attention(
-        q_abs, keys, keys[..., :kv_lora_rank], scale=scale, enable_gqa=True, **masking
-    )  # [B, H, Q, L]
+    if mask is None and q_len > 1:
+        qpos = torch.arange(s_len - q_len, s_len, device=q.device)
+        mask = (torch.arange(s_len, device=q.device)[None, :] <= qpos[:, None]).expand(b, q_len, s_len)
+    attn_mask = None
+    if mask is not None:  # [B, Q, S] -> [B, 1, H*Q, S], rows in the same (head, query) order
+        attn_mask = mask[:, None].expand(b, heads, q_len, s_len).reshape(b, 1, heads * q_len, s_len)
+    u = F.scaled_dot_product_attention(q_abs, keys, keys[..., :kv_lora_rank], attn_mask=attn_mask,
+                                       scale=scale)  # [B, 1, H*Q, L]
+    u = u.view(b, heads, q_len, kv_lora_rank)
     return torch.einsum("bhql,hvl->bqhv", u, w_uv)
 
 
