@@ -63,6 +63,8 @@ FAMILIES = {
                                         first_k_dense_replace=1, q_lora_rank=32, n_group=2, topk_group=1)),
 }
 LENGTHS = [5, 12, 19, 27, 40, 64]
+MODES = (("graphs", {}), ("eager", {"enforce_eager": True}),
+         ("chunked", {"max_num_batched_tokens": 16, "enforce_eager": True}))
 NEW = 16
 
 
@@ -108,8 +110,7 @@ def check_family(name: str, dtype: str, device: str = "cuda") -> dict:
         plp, greedy = reference(hf, prompts)
         params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, prompt_logprobs=1)
         row = {"family": name, "dtype": dtype}
-        for mode, extra in (("graphs", {}), ("eager", {"enforce_eager": True}),
-                            ("chunked", {"max_num_batched_tokens": 16, "enforce_eager": True})):
+        for mode, extra in MODES:
             llm = LLM(d, dtype=dtype, device=device, block_size=16, max_model_len=256, max_num_seqs=8, **extra)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             worst, agree = compare(outs, prompts, plp, greedy)
@@ -129,14 +130,19 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     args = ap.parse_args()
     rows = []
     start = time.time()
     for name in args.only or FAMILIES:
         for dtype in args.dtypes:
+            if time.time() - start > args.budget_s:
+                print(f"budget spent: {name} {dtype} not run", flush=True)
+                continue
             try:
                 rows.append(check_family(name, dtype, args.device))
+                print(json.dumps(rows[-1]), flush=True)
             except Exception as e:  # one family failing must not hide the others
                 rows.append({"family": name, "dtype": dtype, "error": f"{type(e).__name__}: {e}",
                              "trace": traceback.format_exc()[-2000:]})

@@ -130,15 +130,23 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name()}
-    if not args.skip_latency:
-        result["latency_8b"] = latency_8b()
-        print("latency", result["latency_8b"], flush=True)
     reqs = workload()
-    result["nano_vllm_attnserve"] = throughput_attnserve(reqs)
-    print("attnserve", result["nano_vllm_attnserve"], flush=True)
+    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs))]
+    if not args.skip_latency:
+        steps.insert(0, ("latency_8b", latency_8b))
     if not args.skip_hf:
-        result["nano_vllm_transformers"] = throughput_hf(reqs)
-        print("transformers", result["nano_vllm_transformers"], flush=True)
+        steps.append(("nano_vllm_transformers", lambda: throughput_hf(reqs)))
+    for name, fn in steps:
+        t = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception as e:  # report and go on: one failure must not hide the rest
+            import traceback
+
+            traceback.print_exc()
+            result[name + "_error"] = f"{type(e).__name__}: {e}"
+        print(name, result.get(name), f"({time.perf_counter() - t:.0f} s)", flush=True)
+        torch.cuda.empty_cache()
     out = os.environ.get("OUT")
     path = args.json or (os.path.join(out, "gpu_engine.json") if out else None)
     if path:
@@ -149,7 +157,9 @@ def main() -> None:
         r = result["latency_8b"]
         print(f"| Llama-3.1-8B shape, batch 1 decode | {r['decode_tok_s']:.1f} tok/s; floor {r['floor_tok_s']:.0f} tok/s "
               f"({r['fraction_of_floor']:.0%} of it) |")
-    r = result["nano_vllm_attnserve"]
+    r = result.get("nano_vllm_attnserve")
+    if r is None:
+        return
     line = f"| nano-vllm workload (Qwen3-0.6B, 256 req) | attnserve {r['tok_s']:.0f} tok/s ({r['elapsed_s']:.1f} s)"
     if "nano_vllm_transformers" in result:
         h = result["nano_vllm_transformers"]
