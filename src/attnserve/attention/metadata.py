@@ -26,6 +26,12 @@ class CommonAttentionMetadata:
     num_decodes: int  # the first num_decodes requests have exactly one new token
     max_query_len: int
     max_seq_len: int
+    # hybrid models: each request's state slot, whether that slot holds its state already
+    # (False on a request's first chunk), and how many leading requests are one-token steps
+    # with a state (they may take the recurrent decode form)
+    state_slots: torch.Tensor | None = None  # [num_reqs] int64
+    has_initial_state: torch.Tensor | None = None  # [num_reqs] bool
+    num_state_decodes: int = 0
 
     @property
     def num_reqs(self) -> int:

@@ -27,6 +27,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[list[int]]  # per KV cache group
+    state_slot: int = 0  # hybrid models: the request's state slot (0: none)
 
     @property
     def start(self) -> int:
@@ -43,6 +44,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[str, ...] = ()
+    state_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) state slots, before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +95,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._align(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             if len(self.running) == 1:  # alone: a smaller prefill chunk may fit where all does not
                 num_new = self._fit(req, num_new)
             if not num_new or not self.kv.allocate_slots(req, num_new):
@@ -102,13 +104,27 @@ class Scheduler:
                 if req.request_id in victim:
                     break
                 continue  # retry the same request with the freed blocks
-            scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             i += 1
         if not preempted:
             budget = self._admit(scheduled, budget)
         self.stats.steps += 1
-        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), self.kv.take_state_copies())
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id), self.kv.state_slot(req.request_id))
+
+    def _align(self, req: Request, start: int, num_new: int) -> int:
+        """Hybrid models keep state snapshots at block boundaries, so a prefill step ends on one:
+        a chunk that stops early ends on its last boundary, and one that finishes the prompt
+        first stops at the prompt's last boundary (the rest runs next step)."""
+        if not self.kv.snapshots_enabled or num_new <= 1 or not req.cacheable:
+            return num_new
+        bs = self.kv.block_size
+        end = start + num_new
+        boundary = (end // bs) * bs if end < req.num_tokens else ((req.num_tokens - 1) // bs) * bs
+        return boundary - start if boundary > start else num_new
 
     def _fit(self, req: Request, num_new: int, num_cached: int = 0, hits=None) -> int:
         """The largest chunk (halving from ``num_new``) the free blocks can hold; 0 if none."""
@@ -134,7 +150,7 @@ class Scheduler:
             num_new = req.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._align(req, num_cached, min(num_new, budget))
             if not self.running and self.config.enable_chunked_prefill:
                 # nothing runs that could free blocks: take the largest chunk that fits
                 num_new = self._fit(req, num_new, num_cached, hits)
@@ -148,7 +164,7 @@ class Scheduler:
                 self.stats.prompt_tokens += req.num_prompt_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
         return budget
 
@@ -161,6 +177,7 @@ class Scheduler:
             if req.is_finished or req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.snapshot_state(req)
             if req.request_id not in sampled:
                 continue
             req.append_output_token(sampled[req.request_id])

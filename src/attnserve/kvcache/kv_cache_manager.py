@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from attnserve.kvcache.block_pool import BlockPool, KVCacheBlock
 from attnserve.kvcache.groups import KVCacheGroup
 from attnserve.kvcache.managers import SingleTypeManager, create_manager
+from attnserve.kvcache.state import StatePool
 
 if TYPE_CHECKING:
     from attnserve.engine.request import Request
@@ -20,7 +21,8 @@ __all__ = ["KVCacheManager"]
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[KVCacheGroup], num_blocks: int, enable_caching: bool = True):
+    def __init__(self, groups: list[KVCacheGroup], num_blocks: int, enable_caching: bool = True,
+                 state_pool: StatePool | None = None):
         if not groups:
             raise ValueError("a KV cache manager needs at least one group")
         self.groups = groups
@@ -28,6 +30,14 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.managers: list[SingleTypeManager] = [create_manager(g, self.pool) for g in groups]
+        # hybrid models: per-sequence state slots, and snapshots at block boundaries
+        self.state_pool = state_pool
+        self._restore: dict[str, int] = {}  # request -> snapshot slot its prefix hit restores
+        self._state_copies: list[tuple[int, int]] = []  # (src slot, dst slot), in order
+
+    @property
+    def snapshots_enabled(self) -> bool:
+        return self.state_pool is not None and self.enable_caching
 
     @property
     def usage(self) -> float:
@@ -45,16 +55,29 @@ class KVCacheManager:
         self.pool.num_queries += request.num_tokens
         length = request.num_tokens - 1
         hits = empty
-        while True:  # shrink until every group agrees on one length
+        while True:  # shrink until every group (and the state snapshots) agree on one length
             hits = [m.find_longest_cache_hit(request.block_hashes, length) for m in self.managers]
             agreed = min(len(h) for h in hits) * self.block_size
+            if self.state_pool is not None:
+                agreed = self._snapshot_length(request, agreed)
             if agreed == length or agreed == 0 or all(len(h) * self.block_size == agreed for h in hits):
                 length = agreed
                 break
             length = agreed
         hits = [h[: length // self.block_size] for h in hits]
+        self._restore.pop(request.request_id, None)
+        if self.state_pool is not None and length:
+            self._restore[request.request_id] = self.state_pool.lookup(request.block_hashes[length // self.block_size - 1])
+            self.state_pool.num_hits += 1
         self.pool.num_hits += length
         return hits, length
+
+    def _snapshot_length(self, request: Request, length: int) -> int:
+        """The longest prefix, at most ``length``, whose state snapshot exists."""
+        k = length // self.block_size
+        while k and request.block_hashes[k - 1] not in self.state_pool.snapshots:
+            k -= 1
+        return k * self.block_size
 
     def can_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                      new_computed_blocks: list[list[KVCacheBlock]] | None = None) -> bool:
@@ -86,6 +109,11 @@ class KVCacheManager:
         for m, hits in zip(self.managers, new_computed):
             m.save_new_computed_blocks(rid, hits)
             m.allocate_new_blocks(rid, total_tokens)
+        if self.state_pool is not None and rid not in self.state_pool.slot_of:
+            slot = self.state_pool.allocate(rid)
+            snapshot = self._restore.pop(rid, None)
+            if snapshot is not None and num_new_computed_tokens:
+                self._state_copies.append((snapshot, slot))
         if self.enable_caching and request.cacheable:
             # blocks that are full once this step runs; their content is written before any
             # request of the same step reads it (each layer writes all new K/V, then attends)
@@ -97,6 +125,31 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         for m in self.managers:
             m.free(request.request_id)
+        if self.state_pool is not None:
+            self.state_pool.free(request.request_id)
+            self._restore.pop(request.request_id, None)
+
+    def state_slot(self, request_id: str) -> int:
+        return self.state_pool.slot_of.get(request_id, 0) if self.state_pool is not None else 0
+
+    def snapshot_state(self, request: Request) -> None:
+        """After a step: if the request's state now ends on a full block, keep a copy of it
+        (keyed by that block's hash) so a later prefix hit can restore it."""
+        if not self.snapshots_enabled or not request.cacheable:
+            return
+        n = request.num_computed_tokens
+        k = n // self.block_size
+        if not n or n % self.block_size or k > len(request.block_hashes):
+            return
+        slot = self.state_pool.slot_of.get(request.request_id)
+        snapshot = self.state_pool.reserve_snapshot(request.block_hashes[k - 1]) if slot else None
+        if snapshot is not None:
+            self._state_copies.append((slot, snapshot))
+
+    def take_state_copies(self) -> tuple[tuple[int, int], ...]:
+        """The (src, dst) state-slot copies the runner must make before the next forward."""
+        copies, self._state_copies = tuple(self._state_copies), []
+        return copies
 
     def block_ids(self, request_id: str) -> list[list[int]]:
         return [[b.block_id for b in m.blocks_of(request_id)] for m in self.managers]
@@ -114,3 +167,7 @@ class KVCacheManager:
                     if not b.is_null:
                         owners[b.block_id] = owners.get(b.block_id, 0) + 1
         self.pool.check_integrity(owners)
+        if self.state_pool is not None:
+            self.state_pool.check_integrity()
+            held = {rid for m in self.managers for rid in m.req_to_blocks}
+            assert set(self.state_pool.slot_of) <= held, "a state slot outlived its request's blocks"

@@ -18,12 +18,13 @@ from attnserve.arch import ModelArch, load_hf_config
 from attnserve.attention.backend import AttentionBackend, BackendRequest
 from attnserve.attention.registry import load_backend, select_backend
 from attnserve.config import EngineConfig
-from attnserve.kvcache.groups import KVCacheGroup, cache_entries, plan_layout
+from attnserve.kvcache.groups import KVCacheGroup, cache_entries, group_entries, plan_layout
 from attnserve.kvcache.kv_cache_manager import KVCacheManager
+from attnserve.kvcache.state import StatePool
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
-from attnserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
+from attnserve.runner.kv_cache import allocate_kv_cache, allocate_state_cache, determine_num_blocks
 from attnserve.runner.model_runner import ModelRunner
 
 __all__ = ["EngineParts", "build_engine_parts", "resolve_model_dir"]
@@ -105,27 +106,35 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(model_dir)
 
     entries = cache_entries(arch, config.cache, dtype)
-    if any(e.spec.policy == "state" for e in entries):
-        raise ValueError(f"{arch.model_type}: models with state layers ({arch.mechanism.value}) are not "
-                         f"served yet; `attnserve inspect` reads their config")
-    layout = plan_layout(entries)
+    layout = plan_layout(entries)  # the paged groups; state layers get slots instead
     groups = list(layout.groups)
-    backend_names = _select_backends(arch, groups, dtype, config, platform)
+    state_groups = [KVCacheGroup(len(groups) + i, g.policy, g.window, g.entries)
+                    for i, g in enumerate(group_entries([e for e in entries if e.spec.policy == "state"]))]
+    backend_names = _select_backends(arch, groups + state_groups, dtype, config, platform)
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
 
     model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[dtype])
     # sized once the weights are in memory, from what is left
     needed = (config.scheduler.max_num_seqs * layout.blocks_for(max_len) + 1) * layout.bytes_per_block
-    num_blocks = determine_num_blocks(layout, config.cache, device, needed)
-    kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
+    state_pool, state_bytes = None, 0
+    if state_groups:  # one slot per running sequence, as many snapshot slots for prefix hits
+        snapshots = config.scheduler.max_num_seqs if config.cache.enable_prefix_caching else 0
+        state_pool = StatePool(config.scheduler.max_num_seqs, snapshots)
+        state_bytes = state_pool.num_slots * sum(g.bytes_per_sequence_state for g in state_groups)
+    num_blocks = determine_num_blocks(layout, config.cache, device, needed, state_bytes)
+    kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching, state_pool)
     one_seq = kv.num_blocks_for_tokens(max_len)
     if one_seq > num_blocks - 1:
         raise ValueError(f"the KV cache holds {num_blocks - 1} blocks of {config.cache.block_size} tokens, "
                          f"but one sequence of max_model_len={max_len} needs {one_seq}; lower max_model_len "
                          f"or give the cache more memory")
-    allocate_kv_cache(model, layout, num_blocks, device, backends)
+    state_layers = frozenset(e.layer for g in state_groups for e in g.entries)
+    allocate_kv_cache(model, layout, num_blocks, device, backends, state_layers)
+    state_caches = allocate_state_cache(model, state_groups, state_pool.num_slots, device, backends) \
+        if state_pool is not None else []
     runner = ModelRunner(model, arch, groups, backends, device, max_model_len=max_len,
-                         max_num_seqs=config.scheduler.max_num_seqs, cuda_graphs=not config.model.enforce_eager)
+                         max_num_seqs=config.scheduler.max_num_seqs, cuda_graphs=not config.model.enforce_eager,
+                         state_caches=state_caches)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
                        dtype=dtype, platform=platform, groups=groups, backend_names=backend_names,
                        num_blocks=num_blocks, kv_manager=kv, runner=runner)

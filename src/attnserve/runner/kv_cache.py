@@ -15,16 +15,18 @@ import torch
 from torch import nn
 
 from attnserve.config import CacheConfig
-from attnserve.kvcache.groups import KVCacheLayout
+from attnserve.kvcache.groups import KVCacheGroup, KVCacheLayout
 from attnserve.kvcache.spec import (
     FullAttentionSpec,
     IndexerCacheSpec,
     KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    StateSpec,
 )
+from attnserve.kvcache.state import StateCache
 
-__all__ = ["allocate_kv_cache", "determine_num_blocks", "torch_cache_dtype"]
+__all__ = ["allocate_kv_cache", "allocate_state_cache", "determine_num_blocks", "torch_cache_dtype"]
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -48,7 +50,7 @@ def _cpu_available_bytes() -> int:
 
 
 def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torch.device,
-                         needed_bytes: int) -> int:
+                         needed_bytes: int, reserved_bytes: int = 0) -> int:
     """Blocks in the pool (the null block included).
 
     Args:
@@ -64,10 +66,13 @@ def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torc
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * cache.gpu_memory_utilization) - 512 * 1024**2  # room for activations
     else:
-        budget = min(int(_cpu_available_bytes() * _CPU_DEFAULT_SHARE), _CPU_DEFAULT_CAP, needed_bytes)
+        budget = min(int(_cpu_available_bytes() * _CPU_DEFAULT_SHARE), _CPU_DEFAULT_CAP,
+                     needed_bytes + reserved_bytes)
+    budget -= reserved_bytes  # per-sequence state slots come out of the same budget
     num_blocks = budget // per_block + 1
     if num_blocks < 2:
-        raise ValueError(f"the KV cache budget ({budget / GIB:.3f} GiB) holds no block of "
+        raise ValueError(f"the KV cache budget ({(budget + reserved_bytes) / GIB:.3f} GiB, of which "
+                         f"{reserved_bytes / GIB:.3f} GiB of state slots) holds no block of "
                          f"{per_block} bytes; raise kv_cache_memory or gpu_memory_utilization")
     return num_blocks
 
@@ -92,7 +97,7 @@ def _alloc(spec: KVCacheSpec, num_blocks: int, device: torch.device):
 
 
 def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, device: torch.device,
-                      backends: list) -> dict[tuple[int, str], object]:
+                      backends: list, state_layers: frozenset[int] = frozenset()) -> dict[tuple[int, str], object]:
     """Allocate one set of tensors per slot (its entries alias them) and bind them, with the
     group's backend, to each layer."""
     caches: dict[tuple[int, str], object] = {}
@@ -107,7 +112,7 @@ def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, 
             layer_group[e.layer] = g.group_id
     for module in model.modules():
         layer_id = getattr(module, "layer_id", None)
-        if layer_id is None or not hasattr(module, "kv_cache"):
+        if layer_id is None or not hasattr(module, "kv_cache") or layer_id in state_layers:
             continue
         if layer_id not in layer_group:
             raise RuntimeError(f"layer {layer_id} declares a cache but no KV cache group holds it")
@@ -120,3 +125,33 @@ def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, 
     logger.info("KV cache: %d blocks of %d bytes (%.3f GiB) on %s", num_blocks, layout.bytes_per_block,
                 num_blocks * layout.bytes_per_block / GIB, device)
     return caches
+
+
+def allocate_state_cache(model: nn.Module, groups: list[KVCacheGroup], num_slots: int, device: torch.device,
+                         backends: list) -> list[StateCache]:
+    """Allocate each state layer's slot tensors (zeroed: slot 0 is the null slot) and bind
+    them, with the group's backend, to the layer module (``layer_id`` + ``state_cache``)."""
+    by_layer: dict[int, tuple[StateCache, int]] = {}
+    for g in groups:
+        for e in g.entries:
+            spec = e.spec
+            assert isinstance(spec, StateSpec)
+            conv = tuple(torch.zeros(num_slots, *shape, dtype=torch_cache_dtype(spec.dtype), device=device)
+                         for shape in spec.conv_shapes)
+            rec = tuple(torch.zeros(num_slots, *shape, dtype=torch_cache_dtype(spec.recurrent_dtype), device=device)
+                        for shape in spec.recurrent_shapes)
+            by_layer[e.layer] = (StateCache(conv, rec), g.group_id)
+    bound = set()
+    for module in model.modules():
+        layer_id = getattr(module, "layer_id", None)
+        if layer_id is None or not hasattr(module, "state_cache"):
+            continue
+        if layer_id not in by_layer:
+            raise RuntimeError(f"layer {layer_id} declares a state cache but its spec has no state")
+        cache, gid = by_layer[layer_id]
+        module.state_cache, module.group_id, module.backend = cache, gid, backends[gid]
+        bound.add(layer_id)
+    missing = sorted(set(by_layer) - bound)
+    if missing:
+        raise RuntimeError(f"state layers {missing} have no module with a state_cache attribute")
+    return [c for c, _ in by_layer.values()]

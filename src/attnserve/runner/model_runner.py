@@ -37,8 +37,9 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArch, groups: list[KVCacheGroup],
                  backends: list[AttentionBackend], device: torch.device, *, max_model_len: int,
-                 max_num_seqs: int, cuda_graphs: bool = False):
+                 max_num_seqs: int, cuda_graphs: bool = False, state_caches: list | None = None):
         self.model = model
+        self.state_caches = state_caches or []
         self.arch = arch
         self.groups = groups
         self.backends = backends
@@ -85,6 +86,9 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < len(scheduled) and scheduled[num_decodes].num_new_tokens == 1:
             num_decodes += 1
+        state_decodes = 0
+        while state_decodes < num_decodes and scheduled[state_decodes].start > 0:
+            state_decodes += 1
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         common = CommonAttentionMetadata(
@@ -93,6 +97,10 @@ class ModelRunner:
             slot_mappings=[torch.tensor(m, dtype=torch.int64, device=dev) for m in slot_maps],
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_decodes=num_decodes,
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))), max_seq_len=max(seq_lens))
+        if self.state_caches:
+            common.state_slots = torch.tensor([s.state_slot for s in scheduled], dtype=torch.int64, device=dev)
+            common.has_initial_state = torch.tensor([s.start > 0 for s in scheduled], dtype=torch.bool, device=dev)
+            common.num_state_decodes = state_decodes
         # length-dependent RoPE (dynamic NTK, longrope) sees each request's whole known length,
         # as one forward over the full prompt would: chunking a prefill does not change it
         query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], device=dev)
@@ -105,8 +113,9 @@ class ModelRunner:
     # --- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        # decodes first: backends batch them together
-        scheduled = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # decodes first (those with history before one-token prompts): backends batch them
+        scheduled = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start == 0))
+        self._copy_states(output.state_copies)
         input_ids, ctx = self._prepare(scheduled)
         if self.graphs is not None and ctx.common.num_decodes == len(scheduled) \
                 and self.graphs.bucket_for(len(scheduled)) is not None:
@@ -127,6 +136,13 @@ class ModelRunner:
             if s.request.wants_prompt_logprobs:
                 self._prompt_logprobs(hidden, qsl[i], s, result)
         return result
+
+    def _copy_states(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Snapshot saves and prefix-hit restores, in order (a restore may read a fresh save)."""
+        for src, dst in copies:
+            for cache in self.state_caches:
+                for t in cache.tensors():
+                    t[dst].copy_(t[src])
 
     def _sample(self, hidden: torch.Tensor, rows: list[int], reqs: list, result: RunnerOutput) -> None:
         logits = self.model.compute_logits(hidden[rows])
