@@ -1,6 +1,6 @@
 """CPU throughput: attnserve against transformers ``generate`` on the same small model.
 
-A Llama-shaped model of tens of millions of parameters (random weights, float32), batch 1 and
+A Llama-shaped model of tens of millions of parameters (random weights, bf16 by default), batch 1 and
 batch 16, the same prompts (random token ids) and the same number of new tokens (EOS ignored).
 Both run in this process, one after the other; the table gives tokens/s and the ratio.
 
@@ -24,11 +24,11 @@ CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hid
               tie_word_embeddings=False)
 
 
-def build(path: str):
+def build(path: str, dtype: torch.dtype = torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval().to(dtype)
     model.save_pretrained(path)
     return model
 
@@ -63,14 +63,15 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     from attnserve import LLM
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        hf = build(d)
+        hf = build(d, getattr(torch, args.dtype))
         params = sum(p.numel() for p in hf.parameters())
-        llm = LLM(d, dtype="float32", max_model_len=args.prompt_len + args.new_tokens + 16,
+        llm = LLM(d, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 16,
                   max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.batches) * args.prompt_len)
         g = torch.Generator().manual_seed(0)
         for batch in args.batches:
@@ -83,7 +84,7 @@ def main() -> None:
             rows.append({"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                          "attnserve_tok_s": toks / t_ours, "transformers_tok_s": toks / t_hf,
                          "ratio": t_hf / t_ours, "attnserve_s": t_ours, "transformers_s": t_hf})
-    print(f"model: llama, {params / 1e6:.1f}M parameters, float32, torch threads {torch.get_num_threads()}")
+    print(f"model: llama, {params / 1e6:.1f}M parameters, {args.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{'batch':>5} {'attnserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6}")
     for r in rows:
         print(f"{r['batch']:>5} {r['attnserve_tok_s']:>16.1f} {r['transformers_tok_s']:>19.1f} {r['ratio']:>6.2f}")

@@ -78,21 +78,18 @@ def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torc
 
 
 def _alloc(spec: KVCacheSpec, num_blocks: int, device: torch.device):
-    """One entry's paged tensors; the null block (0) is zeroed because padding reads it."""
+    """One entry's paged tensors, zeroed: backends read whole blocks and mask what lies past a
+    sequence's end, and masked never-written memory could hold NaN bit patterns (0 * NaN)."""
     if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
         dtype = torch_cache_dtype(spec.dtype)
-        k = torch.empty(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=dtype, device=device)
-        v = torch.empty(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size_v, dtype=dtype, device=device)
-        k[0].zero_()
-        v[0].zero_()
+        k = torch.zeros(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=dtype, device=device)
+        v = torch.zeros(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size_v, dtype=dtype, device=device)
         return k, v
     if isinstance(spec, (MLAAttentionSpec, IndexerCacheSpec)):
         # fp8 rows are raw bytes in their documented layout; other dtypes are plain values
         width = spec.bytes_per_token if spec.dtype == "fp8" else spec.bytes_per_token // spec.dtype_bytes
         dtype = torch.uint8 if spec.dtype == "fp8" else torch_cache_dtype(spec.dtype)
-        t = torch.empty(num_blocks, spec.block_size, width, dtype=dtype, device=device)
-        t[0].zero_()
-        return t
+        return torch.zeros(num_blocks, spec.block_size, width, dtype=dtype, device=device)
     raise NotImplementedError(f"no paged allocator for {type(spec).__name__}")
 
 

@@ -1,7 +1,7 @@
 """TORCH_SDPA: standard attention over the paged cache with PyTorch on any device.
 
-Decodes are batched: their K/V rows are gathered from the pages into one padded batch and
-attended in one call with a padding/window mask. Prefills (including chunks over a cached
+Decodes are batched: their K/V blocks are gathered from the pages (whole blocks, contiguous
+copies) into one padded batch and attended in one call with a padding/window mask. Prefills (including chunks over a cached
 prefix) run one request at a time. GQA/MQA use SDPA's ``enable_gqa`` so K/V are never repeated
 per query head. ALiBi becomes an additive float mask; learned sinks and soft-capping, which
 SDPA cannot express, take an explicit float32 path. An fp8 cache stores ``x / scale`` in e4m3
@@ -25,15 +25,10 @@ __all__ = ["TorchSDPABackend", "TorchSDPAMetadata", "attend"]
 class TorchSDPAMetadata:
     slot_mapping: torch.Tensor  # [T]
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [B_dec, S_max] cache rows of each decode's keys (0 = pad)
-    decode_key_pos: torch.Tensor | None  # [B_dec, S_max] key positions, -1 for padding
+    decode_blocks: torch.Tensor | None  # [B_dec, max_blocks] block ids of each decode (0 = pad)
+    decode_key_pos: torch.Tensor | None  # [B_dec, max_blocks * block_size] key positions, -1 past the end
     decode_query_pos: torch.Tensor | None  # [B_dec]
-    prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_end, context_len, slots [S])
-
-
-def _slots(block_table_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(seq_len, device=block_table_row.device)
-    return block_table_row.long()[pos // block_size] * block_size + pos % block_size
+    prefills: list[tuple[int, int, int, int, torch.Tensor]]  # (q_start, q_end, context, seq_len, blocks)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dist: torch.Tensor, valid: torch.Tensor,
@@ -83,26 +78,24 @@ class TorchSDPABackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TorchSDPAMetadata:
         bt = common.block_tables[group_id]
-        device = bt.device
+        bs = self.block_size
         nd = common.num_decodes
-        dec_slots = dec_kpos = dec_qpos = None
-        if nd:
+        dec_blocks = dec_kpos = dec_qpos = None
+        if nd:  # gather whole blocks (contiguous copies), then mask what lies past each end
             lens = common.seq_lens_cpu[:nd]
-            pos = torch.arange(max(lens), device=device)
-            seq = torch.tensor(lens, device=device)
-            blocks = bt[:nd].long().gather(1, (pos // self.block_size).clamp(max=bt.shape[1] - 1)
-                                           .expand(nd, -1))  # [B_dec, S_max]
-            valid = pos[None, :] < seq[:, None]
-            dec_slots = torch.where(valid, blocks * self.block_size + pos % self.block_size, 0)
-            dec_kpos = torch.where(valid, pos.expand(nd, -1), -1)
+            num_blocks = -(-max(lens) // bs)
+            dec_blocks = bt[:nd, :num_blocks].long()
+            seq = common.seq_lens[:nd].long()
+            pos = torch.arange(num_blocks * bs, device=bt.device)
+            dec_kpos = torch.where(pos[None, :] < seq[:, None], pos.expand(nd, -1), -1)
             dec_qpos = seq - 1
         prefills = []
         q = common.query_start_loc_cpu
         for i in range(nd, common.num_reqs):
             seq_len = common.seq_lens_cpu[i]
             context = seq_len - (q[i + 1] - q[i])
-            prefills.append((q[i], q[i + 1], context, _slots(bt[i], seq_len, self.block_size)))
-        return TorchSDPAMetadata(common.slot_mappings[group_id], nd, dec_slots, dec_kpos, dec_qpos, prefills)
+            prefills.append((q[i], q[i + 1], context, seq_len, bt[i, : -(-seq_len // bs)].long()))
+        return TorchSDPAMetadata(common.slot_mappings[group_id], nd, dec_blocks, dec_kpos, dec_qpos, prefills)
 
     def forward(self, layer, q, k, v, kv_cache, metadata: TorchSDPAMetadata) -> torch.Tensor:
         key_cache, value_cache = kv_cache
@@ -118,31 +111,31 @@ class TorchSDPABackend(AttentionBackend):
             kc.index_copy_(0, slots, k[keep].to(kc.dtype))
             vc.index_copy_(0, slots, v[keep].to(vc.dtype))
 
-        def read(cache: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
-            if not fp8:
-                return cache[rows].to(q.dtype)
-            x = cache.view(torch.uint8)[rows].view(cache.dtype)
-            return (x.float() * scale).to(q.dtype)
+        def read(cache: torch.Tensor, blocks: torch.Tensor, scale: float) -> torch.Tensor:
+            """[..., n_blocks] block ids -> [..., n_blocks * block_size, Hkv, D] in q's dtype."""
+            x = cache[blocks] if not fp8 else cache.view(torch.uint8)[blocks].view(cache.dtype)
+            x = x.flatten(-4, -3)
+            return x.to(q.dtype) if not fp8 else (x.float() * scale).to(q.dtype)
 
         out = torch.empty(q.shape[0], q.shape[1], vc.shape[-1], dtype=q.dtype, device=q.device)
         nd = metadata.num_decodes
         if nd:
-            keys = read(kc, metadata.decode_slots, layer.k_scale).transpose(1, 2)  # [B, Hkv, S, D]
-            vals = read(vc, metadata.decode_slots, layer.v_scale).transpose(1, 2)
+            keys = read(key_cache, metadata.decode_blocks, layer.k_scale).transpose(1, 2)  # [B, Hkv, S, D]
+            vals = read(value_cache, metadata.decode_blocks, layer.v_scale).transpose(1, 2)
             dist = (metadata.decode_query_pos[:, None] - metadata.decode_key_pos)[:, None, :]  # [B, 1, S]
             valid = (metadata.decode_key_pos >= 0)[:, None, :]
             out[:nd] = attend(q[:nd].unsqueeze(2), keys, vals, dist, valid, layer).squeeze(2)
         plain = layer.alibi_slopes is None and layer.sinks is None and layer.softcap is None
-        for start, end, context, slots in metadata.prefills:
-            keys = read(kc, slots, layer.k_scale).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-            vals = read(vc, slots, layer.v_scale).transpose(0, 1).unsqueeze(0)
+        for start, end, context, seq_len, blocks in metadata.prefills:
+            keys = read(key_cache, blocks, layer.k_scale)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+            vals = read(value_cache, blocks, layer.v_scale)[:seq_len].transpose(0, 1).unsqueeze(0)
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
             if plain and context == 0 and layer.window is None:
                 o = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=layer.scale,
                                                    enable_gqa=True)
             else:
                 qpos = torch.arange(context, context + end - start, device=q.device)
-                dist = (qpos[:, None] - torch.arange(slots.shape[0], device=q.device)[None, :])[None]
+                dist = (qpos[:, None] - torch.arange(seq_len, device=q.device)[None, :])[None]
                 o = attend(qi, keys, vals, dist, torch.ones_like(dist, dtype=torch.bool), layer)
             out[start:end] = o[0].transpose(0, 1)
         return out
