@@ -41,7 +41,8 @@ class LLMEngine:
         recompute = None
         if rope is not None and rope.rope_type == "longrope" and rope.original_max_position_embeddings:
             recompute = rope.original_max_position_embeddings + 1
-        self.scheduler = Scheduler(config.scheduler, self.parts.kv_manager, self.max_model_len, recompute)
+        self.scheduler = Scheduler(config.scheduler, self.parts.kv_manager, self.max_model_len, recompute,
+                                   offload=self.parts.runner.offload)
         self.runner = self.parts.runner
         self.states: dict[str, RequestState] = {}
         self._child_to_state: dict[str, tuple[RequestState, CompletionState]] = {}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from attnserve.engine.request import Request, RequestStatus
 from attnserve.kvcache.kv_cache_manager import KVCacheManager
+from attnserve.kvcache.offload.manager import LoadJob, OffloadManager, StoreJob
 
 if TYPE_CHECKING:
     from attnserve.config import SchedulerConfig
@@ -45,6 +46,7 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[str, ...] = ()
     state_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) state slots, before the forward
+    offload: tuple[StoreJob, list[LoadJob]] | None = None  # copies to and from the offload tier
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +61,7 @@ class SchedulerOutput:
 class SchedulerStats:
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0
+    offload_hit_tokens: int = 0
     prompt_tokens: int = 0
     steps: int = 0
     history: list[int] = field(default_factory=list)
@@ -66,9 +69,10 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 rope_recompute_len: int | None = None):
+                 rope_recompute_len: int | None = None, offload: OffloadManager | None = None):
         self.config = config
         self.kv = kv
+        self.offload = offload
         self.max_model_len = max_model_len
         # longrope switches to its long factors once a sequence is longer than the original
         # context; like transformers, recompute the whole sequence with them at that point
@@ -110,7 +114,8 @@ class Scheduler:
         if not preempted:
             budget = self._admit(scheduled, budget)
         self.stats.steps += 1
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), self.kv.take_state_copies())
+        jobs = self.offload.take_jobs() if self.offload is not None else None
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), self.kv.take_state_copies(), jobs)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id), self.kv.state_slot(req.request_id))
@@ -126,16 +131,27 @@ class Scheduler:
         boundary = (end // bs) * bs if end < req.num_tokens else ((req.num_tokens - 1) // bs) * bs
         return boundary - start if boundary > start else num_new
 
-    def _fit(self, req: Request, num_new: int, num_cached: int = 0, hits=None) -> int:
+    def _fit(self, req: Request, num_new: int, num_cached: int = 0, hits=None, loaded: int = 0) -> int:
         """The largest chunk (halving from ``num_new``) the free blocks can hold; 0 if none."""
-        while num_new > 0 and not self.kv.can_allocate(req, num_new, num_cached, hits):
+        while num_new > 0 and not self.kv.can_allocate(req, loaded + num_new, num_cached, hits):
             num_new //= 2
         return num_new
+
+    def _offload_lookup(self, req: Request, num_cached: int):
+        """Blocks right after the device hit that the offload tier holds: (tokens, blobs, state)."""
+        if self.offload is None or req.skip_prefix_cache:
+            return 0, [], None
+        bs = self.kv.block_size
+        start = num_cached // bs
+        n, blobs, state = self.offload.lookup(req.block_hashes, start, (req.num_tokens - 1) // bs - start)
+        return n * bs, blobs, state
 
     def _preempt_for(self, req: Request) -> list[str]:
         """Preempt the lowest-priority running request (the last admitted) to free blocks."""
         victim = self.running.pop()
         self.kv.free(victim)
+        if self.offload is not None:
+            self.offload.forget(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -147,17 +163,24 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_cached
+            loaded, blobs, state = self._offload_lookup(req, num_cached)
+            num_new = req.num_tokens - num_cached - loaded
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = self._align(req, num_cached, min(num_new, budget))
+            num_new = self._align(req, num_cached + loaded, min(num_new, budget))
             if not self.running and self.config.enable_chunked_prefill:
                 # nothing runs that could free blocks: take the largest chunk that fits
-                num_new = self._fit(req, num_new, num_cached, hits)
-            if not num_new or not self.kv.allocate_slots(req, num_new, num_cached, hits):
+                num_new = self._fit(req, num_new, num_cached, hits, loaded)
+            if loaded:
+                self.kv.discard_restore(req.request_id)  # the tier brings the state too
+            if not num_new or not self.kv.allocate_slots(req, loaded + num_new, num_cached, hits):
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = num_cached
+            if loaded:
+                self.offload.prepare_load(req.request_id, blobs, self.kv.block_ids(req.request_id),
+                                          num_cached // self.kv.block_size, state, self.kv.state_slot(req.request_id))
+                self.stats.offload_hit_tokens += loaded
+            req.num_computed_tokens = num_cached + loaded
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 self.stats.prefix_hit_tokens += num_cached
@@ -177,7 +200,12 @@ class Scheduler:
             if req.is_finished or req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.snapshot_state(req)
+            snapshot = self.kv.snapshot_state(req)
+            if self.offload is not None and req.cacheable:
+                self.offload.prepare_store(req.request_id, req.block_hashes, self.kv.block_ids(req.request_id),
+                                           req.num_computed_tokens)
+                if snapshot is not None:
+                    self.offload.prepare_state_store(*snapshot)
             if req.request_id not in sampled:
                 continue
             req.append_output_token(sampled[req.request_id])
@@ -223,6 +251,8 @@ class Scheduler:
     def _remove_running(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        if self.offload is not None:
+            self.offload.forget(req.request_id)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request once its output has been delivered."""

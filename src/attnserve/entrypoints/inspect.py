@@ -173,7 +173,7 @@ def _components(r: LayerGroupRow) -> str:
     return total
 
 
-_OFFLOAD = {"full": "prefix blocks", "sliding": "prefix blocks inside the window",
+_OFFLOAD = {"full": "prefix blocks", "sliding": "not yet (sliding-window groups are not offloaded)",
             "mla": "latent rows (prefix blocks)", "sparse_mla": "latent rows and indexer keys (prefix blocks)",
             "state": "state snapshots at block boundaries"}
 
@@ -242,8 +242,8 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
     notes = []
     if not use_mla and arch.is_mla:
         notes.append("MLA disabled: sparse-MLA layers keep their latent cache")
-    notes.append("KV offloading tiers are not implemented in this version; the offload column "
-                 "says what each cache kind would hold")
+    notes.append("--kv-offloading-size GiB (host memory) or --kv-offloading-backend disk keeps evicted "
+                 "prefix blocks (and state snapshots) for reuse; the offload column says what each holds")
     return InspectReport(
         name=path.stem.replace("__", "/") if path.name != "config.json" else str(path.parent),
         arch=arch, platform=platform, dtype=model_dtype, kv_cache_dtype=kv_dtype, block_size=block_size,

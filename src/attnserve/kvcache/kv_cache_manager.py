@@ -132,19 +132,29 @@ class KVCacheManager:
     def state_slot(self, request_id: str) -> int:
         return self.state_pool.slot_of.get(request_id, 0) if self.state_pool is not None else 0
 
-    def snapshot_state(self, request: Request) -> None:
+    def snapshot_state(self, request: Request) -> tuple[int, int] | None:
         """After a step: if the request's state now ends on a full block, keep a copy of it
-        (keyed by that block's hash) so a later prefix hit can restore it."""
+        (keyed by that block's hash) so a later prefix hit can restore it.
+
+        Returns:
+            (block hash, snapshot slot) of a new snapshot, or None.
+        """
         if not self.snapshots_enabled or not request.cacheable:
-            return
+            return None
         n = request.num_computed_tokens
         k = n // self.block_size
         if not n or n % self.block_size or k > len(request.block_hashes):
-            return
+            return None
         slot = self.state_pool.slot_of.get(request.request_id)
         snapshot = self.state_pool.reserve_snapshot(request.block_hashes[k - 1]) if slot else None
-        if snapshot is not None:
-            self._state_copies.append((slot, snapshot))
+        if snapshot is None:
+            return None
+        self._state_copies.append((slot, snapshot))
+        return request.block_hashes[k - 1], snapshot
+
+    def discard_restore(self, request_id: str) -> None:
+        """The request's state comes from elsewhere (the offload tier): no snapshot restore."""
+        self._restore.pop(request_id, None)
 
     def take_state_copies(self) -> tuple[tuple[int, int], ...]:
         """The (src, dst) state-slot copies the runner must make before the next forward."""

@@ -20,18 +20,45 @@ from attnserve.attention.registry import load_backend, select_backend
 from attnserve.config import EngineConfig
 from attnserve.kvcache.groups import KVCacheGroup, cache_entries, group_entries, plan_layout
 from attnserve.kvcache.kv_cache_manager import KVCacheManager
+from attnserve.kvcache.offload import DiskTier, HostTier, OffloadManager
 from attnserve.kvcache.state import StatePool
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
 from attnserve.runner.kv_cache import allocate_kv_cache, allocate_state_cache, determine_num_blocks
 from attnserve.runner.model_runner import ModelRunner
+from attnserve.runner.offload_io import OffloadIO
 
 __all__ = ["EngineParts", "build_engine_parts", "resolve_model_dir"]
 
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dict, state_caches: list,
+                   device: torch.device):
+    """The offload tier and manager when ``kv_offloading_size`` is set, else (None, None)."""
+    off = config.offload
+    if off.kv_offloading_size is None:
+        return None, None
+    if not config.cache.enable_prefix_caching:
+        raise ValueError("KV offloading keeps prefix blocks by their hash: it needs enable_prefix_caching")
+    if any(g.policy != "full" for g in groups):
+        raise ValueError("KV offloading of sliding-window groups is not supported yet; this model has "
+                         f"{sorted({g.policy for g in groups})} groups")
+    io = OffloadIO(groups, caches, state_caches)
+    blob = max([io.block_bytes(g) for g in range(len(groups))] + [io.state_bytes()])
+    capacity = int(off.kv_offloading_size * 1024**3) // blob
+    if off.kv_offloading_backend == "disk":
+        if not off.kv_offloading_dir:
+            raise ValueError("kv_offloading_backend 'disk' needs kv_offloading_dir, the directory to keep blocks in")
+        tier = DiskTier(capacity, blob, off.kv_offloading_dir)
+    else:
+        tier = HostTier(capacity, blob, pin_memory=device.type == "cuda")
+    manager = OffloadManager(tier, len(groups), groups[0].block_size, has_state=bool(state_caches))
+    logger.info("KV offloading: %s tier of %d blocks of %d bytes", off.kv_offloading_backend, capacity, blob)
+    return manager, io
 
 
 @dataclass
@@ -129,12 +156,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          f"but one sequence of max_model_len={max_len} needs {one_seq}; lower max_model_len "
                          f"or give the cache more memory")
     state_layers = frozenset(e.layer for g in state_groups for e in g.entries)
-    allocate_kv_cache(model, layout, num_blocks, device, backends, state_layers)
+    caches = allocate_kv_cache(model, layout, num_blocks, device, backends, state_layers)
     state_caches = allocate_state_cache(model, state_groups, state_pool.num_slots, device, backends) \
         if state_pool is not None else []
+    offload, offload_io = _build_offload(config, groups, caches, state_caches, device)
     runner = ModelRunner(model, arch, groups, backends, device, max_model_len=max_len,
                          max_num_seqs=config.scheduler.max_num_seqs, cuda_graphs=not config.model.enforce_eager,
-                         state_caches=state_caches)
+                         state_caches=state_caches, offload=offload, offload_io=offload_io)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
                        dtype=dtype, platform=platform, groups=groups, backend_names=backend_names,
                        num_blocks=num_blocks, kv_manager=kv, runner=runner)

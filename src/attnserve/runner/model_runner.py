@@ -37,9 +37,11 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArch, groups: list[KVCacheGroup],
                  backends: list[AttentionBackend], device: torch.device, *, max_model_len: int,
-                 max_num_seqs: int, cuda_graphs: bool = False, state_caches: list | None = None):
+                 max_num_seqs: int, cuda_graphs: bool = False, state_caches: list | None = None,
+                 offload=None, offload_io=None):
         self.model = model
         self.state_caches = state_caches or []
+        self.offload, self.offload_io = offload, offload_io
         self.arch = arch
         self.groups = groups
         self.backends = backends
@@ -115,7 +117,9 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         # decodes first (those with history before one-token prompts): backends batch them
         scheduled = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start == 0))
-        self._copy_states(output.state_copies)
+        self._copy_states(output.state_copies)  # snapshot saves and restores first,
+        if output.offload is not None:  # then tier stores (read) and loads (write)
+            self.offload_io.run(self.offload, *output.offload)
         input_ids, ctx = self._prepare(scheduled)
         if self.graphs is not None and ctx.common.num_decodes == len(scheduled) \
                 and self.graphs.bucket_for(len(scheduled)) is not None:
