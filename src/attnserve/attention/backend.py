@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AttentionBackend", "BackendRequest", "Capabilities", "FEATURES"]
 
-FEATURES = ("sliding_window", "alibi", "sinks", "softcap")
+FEATURES = ("sliding_window", "alibi", "sinks", "softcap", "streaming")
 
 
 @dataclass(frozen=True, slots=True)

@@ -183,7 +183,7 @@ for _e in (
     _entry("TORCH_SDPA", "attnserve.attention.backends.torch_sdpa:TorchSDPABackend",
            "PyTorch over the paged cache (gather, then scaled_dot_product_attention); any device",
            layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY,
-           features=_ALL_FEATURES),
+           features=_ALL_FEATURES | {"streaming"}),
     _entry("FLEX_ATTENTION", "attnserve.attention.backends.flex:FlexAttentionBackend", "torch FlexAttention over the paged cache",
            layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT, platforms=_ANY,
            features=_ALL_FEATURES),

@@ -37,7 +37,10 @@ class LLMEngine:
         self.tokenizer = self.parts.tokenizer
         self.max_model_len = self.parts.max_model_len
         rope = next((s.rope for s in self.arch.layers if s.rope is not None), None)
-        self._length_dependent_rope = rope is not None and rope.rope_type in ("dynamic", "longrope")
+        # prefix hits are off where a cached block's meaning depends on more than its tokens:
+        # length-dependent RoPE, and StreamingLLM (what was dropped before a block)
+        self._uncacheable = (rope is not None and rope.rope_type in ("dynamic", "longrope")) \
+            or config.cache.streaming_window is not None
         recompute = None
         if rope is not None and rope.rope_type == "longrope" and rope.original_max_position_embeddings:
             recompute = rope.original_max_position_embeddings + 1
@@ -87,7 +90,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, ids, child_params, eos_token_ids=self.arch.eos_token_ids,
                           block_size=self.config.cache.block_size, prompt=text,
-                          cacheable=not self._length_dependent_rope)
+                          cacheable=not self._uncacheable)
             completions.append(CompletionState(req, i, make_detokenizer(self.tokenizer, req)))
         state = RequestState(request_id, text, ids, completions, self.tokenizer)
         self.states[request_id] = state

@@ -20,6 +20,7 @@ from attnserve.kvcache.spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
     StateSpec,
+    StreamingSpec,
     resolve_cache_dtype,
 )
 
@@ -63,9 +64,9 @@ class KVCacheGroup:
         if self.policy == "state":
             return 1
         blocks = math.ceil(num_tokens / self.block_size)
-        if self.policy == "sliding":
+        if self.policy in ("sliding", "streaming"):
             spec = self.entries[0].spec
-            assert isinstance(spec, SlidingWindowSpec)
+            assert isinstance(spec, (SlidingWindowSpec, StreamingSpec))
             blocks = min(blocks, spec.max_blocks_per_sequence())
         return blocks
 
@@ -78,6 +79,12 @@ def layer_specs(spec: LayerSpec, model_dtype: str, cache: CacheConfig) -> list[t
     kv_dtype = resolve_cache_dtype(cache.kv_cache_dtype, model_dtype)
     bs = cache.block_size
     kind = spec.kind
+    if cache.streaming_window is not None:
+        if kind is not LayerKind.FULL:
+            raise ValueError(f"StreamingLLM mode needs full-attention layers; layer {spec.index} is {kind.value}")
+        return [("kv", StreamingSpec(block_size=bs, dtype=kv_dtype, num_kv_heads=spec.num_kv_heads,
+                                     head_size=spec.head_size, head_size_v=spec.head_size_v,
+                                     sinks=cache.streaming_sinks, window=cache.streaming_window))]
     if kind is LayerKind.FULL:
         return [("kv", FullAttentionSpec(block_size=bs, dtype=kv_dtype, num_kv_heads=spec.num_kv_heads,
                                          head_size=spec.head_size, head_size_v=spec.head_size_v))]

@@ -142,9 +142,42 @@ class SlidingWindowManager(SingleTypeManager):
         self.pool.free_blocks(dropped)
 
 
+class StreamingManager(SingleTypeManager):
+    """StreamingLLM: keeps the sink blocks and the window; never serves prefix hits (a kept
+    block's meaning depends on what was dropped before it)."""
+
+    def __init__(self, group: KVCacheGroup, pool: BlockPool):
+        super().__init__(group, pool)
+        spec = group.entries[0].spec
+        self.sinks, self.window = spec.sinks, spec.window
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        return []
+
+    def _skippable(self, request_id: str, num_computed_tokens: int) -> list[int]:
+        first_sinkless = -(-self.sinks // self.block_size)  # blocks holding only non-sink tokens
+        first_useful = (num_computed_tokens - self.window + 1) // self.block_size
+        blocks = self.blocks_of(request_id)
+        return [i for i in range(first_sinkless, min(first_useful, len(blocks))) if not blocks[i].is_null]
+
+    def num_skippable_blocks(self, request_id: str, num_computed_tokens: int) -> int:
+        blocks = self.blocks_of(request_id)
+        return sum(1 for i in self._skippable(request_id, num_computed_tokens) if blocks[i].ref_cnt == 1)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        blocks = self.blocks_of(request_id)
+        dropped = []
+        for i in reversed(self._skippable(request_id, num_computed_tokens)):
+            dropped.append(blocks[i])
+            blocks[i] = self.pool.null_block
+        self.pool.free_blocks(dropped)
+
+
 def create_manager(group: KVCacheGroup, pool: BlockPool) -> SingleTypeManager:
     if group.policy == "full":
         return FullAttentionManager(group, pool)
     if group.policy == "sliding":
         return SlidingWindowManager(group, pool)
+    if group.policy == "streaming":
+        return StreamingManager(group, pool)
     raise NotImplementedError(f"KV cache groups with policy '{group.policy}' are not supported yet")

@@ -19,6 +19,7 @@ __all__ = [
     "MLAAttentionSpec",
     "SlidingWindowSpec",
     "StateSpec",
+    "StreamingSpec",
     "resolve_cache_dtype",
 ]
 
@@ -109,6 +110,29 @@ class SlidingWindowSpec(KVCacheSpec):
     def max_blocks_per_sequence(self) -> int:
         """Blocks a sequence needs at most: the window, plus one block it may straddle."""
         return math.ceil((self.sliding_window - 1) / self.block_size) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingSpec(KVCacheSpec):
+    """StreamingLLM: a sequence keeps its first ``sinks`` tokens and its last ``window``."""
+
+    num_kv_heads: int = 1
+    head_size: int = 1
+    head_size_v: int = 1
+    sinks: int = 4
+    window: int = 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_kv_heads * (self.head_size + self.head_size_v) * self.dtype_bytes
+
+    @property
+    def policy(self) -> str:
+        return "streaming"
+
+    def max_blocks_per_sequence(self) -> int:
+        """Sink blocks, plus the window and the block it may straddle."""
+        return math.ceil(self.sinks / self.block_size) + math.ceil((self.window - 1) / self.block_size) + 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,9 +108,10 @@ def _select_backends(arch: ModelArch, groups: list[KVCacheGroup], dtype: str, co
         specs = [arch.layers[e.layer] for e in g.entries]
         chosen = set()
         for spec in specs:
+            features = spec.features | ({"streaming"} if config.cache.streaming_window else set())
             req = BackendRequest(kind=spec.kind, head_size=spec.head_size, dtype=dtype,
                                  kv_cache_dtype=g.entries[0].spec.dtype, block_size=config.cache.block_size,
-                                 features=spec.features)
+                                 features=features)
             override = config.cache.attention_backend if spec.kind.is_attention else None
             chosen.add(select_backend(req, platform, override).name)
         if len(chosen) != 1:

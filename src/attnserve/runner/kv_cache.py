@@ -23,6 +23,7 @@ from attnserve.kvcache.spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
     StateSpec,
+    StreamingSpec,
 )
 from attnserve.kvcache.state import StateCache
 
@@ -80,7 +81,7 @@ def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torc
 def _alloc(spec: KVCacheSpec, num_blocks: int, device: torch.device):
     """One entry's paged tensors, zeroed: backends read whole blocks and mask what lies past a
     sequence's end, and masked never-written memory could hold NaN bit patterns (0 * NaN)."""
-    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, StreamingSpec)):
         dtype = torch_cache_dtype(spec.dtype)
         k = torch.zeros(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=dtype, device=device)
         v = torch.zeros(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size_v, dtype=dtype, device=device)
@@ -99,6 +100,7 @@ def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, 
     group's backend, to each layer."""
     caches: dict[tuple[int, str], object] = {}
     layer_group: dict[int, int] = {}
+    specs = {(e.layer, e.name): e.spec for slot in layout.slots for e in slot}
     for slot in layout.slots:
         tensors = _alloc(slot[0].spec, num_blocks, device)
         for e in slot:
@@ -119,9 +121,30 @@ def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, 
         # standard layers get their (key_cache, value_cache); others a dict by entry name
         own = {name: t for (lid, name), t in caches.items() if lid == layer_id}
         module.kv_cache = own["kv"] if set(own) == {"kv"} else own
+        spec = specs[(layer_id, "kv")] if (layer_id, "kv") in specs else None
+        if isinstance(spec, StreamingSpec):
+            module.streaming = (spec.sinks, spec.window)
+    _bind_rotary_for_streaming(model)
     logger.info("KV cache: %d blocks of %d bytes (%.3f GiB) on %s", num_blocks, layout.bytes_per_block,
                 num_blocks * layout.bytes_per_block / GIB, device)
     return caches
+
+
+def _bind_rotary_for_streaming(model: nn.Module) -> None:
+    """StreamingLLM re-rotates sink keys: give each streaming attention layer its RoPE."""
+    for parent in model.modules():
+        attn = getattr(parent, "attn", None)
+        if getattr(attn, "streaming", None) is None:
+            continue
+        rope = getattr(parent, "rotary_emb", None)
+        if rope is not None and rope.attention_factor != 1.0:
+            raise ValueError("StreamingLLM mode re-rotates sink keys, which needs a RoPE without an "
+                             f"attention factor; this model's {rope.cfg.rope_type} RoPE has one")
+        attn.rotary_emb = rope
+    for module in model.modules():
+        if getattr(module, "streaming", None) is not None and not hasattr(module, "rotary_emb"):
+            raise ValueError(f"StreamingLLM mode: layer {module.layer_id} has no RoPE module beside it "
+                             f"(this model family does not support streaming yet)")
 
 
 def allocate_state_cache(model: nn.Module, groups: list[KVCacheGroup], num_slots: int, device: torch.device,

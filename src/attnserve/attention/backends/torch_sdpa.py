@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backends.streaming import attend_streaming
 from attnserve.attention.metadata import CommonAttentionMetadata
 
 __all__ = ["TorchSDPABackend", "TorchSDPAMetadata", "attend"]
@@ -119,6 +120,8 @@ class TorchSDPABackend(AttentionBackend):
 
         out = torch.empty(q.shape[0], q.shape[1], vc.shape[-1], dtype=q.dtype, device=q.device)
         nd = metadata.num_decodes
+        if getattr(layer, "streaming", None) is not None:
+            return self._forward_streaming(layer, q, key_cache, value_cache, read, metadata, out)
         if nd:
             keys = read(key_cache, metadata.decode_blocks, layer.k_scale).transpose(1, 2)  # [B, Hkv, S, D]
             vals = read(value_cache, metadata.decode_blocks, layer.v_scale).transpose(1, 2)
@@ -138,4 +141,17 @@ class TorchSDPABackend(AttentionBackend):
                 dist = (qpos[:, None] - torch.arange(seq_len, device=q.device)[None, :])[None]
                 o = attend(qi, keys, vals, dist, torch.ones_like(dist, dtype=torch.bool), layer)
             out[start:end] = o[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _forward_streaming(layer, q, key_cache, value_cache, read, metadata, out) -> torch.Tensor:
+        """StreamingLLM layers: one request at a time (see ``streaming.py``)."""
+        requests = [(i, i + 1, int(metadata.decode_query_pos[i]) + 1, metadata.decode_blocks[i])
+                    for i in range(metadata.num_decodes)]
+        requests += [(start, end, seq_len, blocks) for start, end, _, seq_len, blocks in metadata.prefills]
+        for start, end, seq_len, blocks in requests:
+            keys = read(key_cache, blocks, layer.k_scale)[:seq_len]
+            vals = read(value_cache, blocks, layer.v_scale)[:seq_len]
+            qpos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+            out[start:end] = attend_streaming(q[start:end], keys, vals, qpos, layer)
         return out
