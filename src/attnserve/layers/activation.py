@@ -1,4 +1,8 @@
-"""Activation functions by their HF names, and the gated form used by SwiGLU/GeGLU MLPs."""
+"""Activation functions by their HF names, and the gated form used by SwiGLU/GeGLU MLPs.
+
+``gated`` runs the fused act-and-mul of ``layers/fused.py`` (a Triton kernel on CUDA) for silu,
+exact gelu and gelu_pytorch_tanh; other activations stay two torch ops.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attnserve.layers.fused import act_and_mul
+
 __all__ = ["get_act_fn", "gated"]
 
 
@@ -14,16 +20,21 @@ def _gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 _ACTS = {
     "silu": F.silu,
     "swish": F.silu,
     "relu": F.relu,
     "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": _gelu_tanh,
     "gelu_new": _gelu_new,
     "gelu_fast": _gelu_new,
     "gelu_python": F.gelu,
 }
+_FUSED_NAMES = {F.silu: "silu", F.gelu: "gelu", _gelu_tanh: "gelu_pytorch_tanh"}  # act -> kernel
 
 
 def get_act_fn(name: str):
@@ -35,5 +46,8 @@ def get_act_fn(name: str):
 
 def gated(gate_up: torch.Tensor, act) -> torch.Tensor:
     """[..., 2I] laid out [gate | up] -> act(gate) * up, [..., I]."""
+    fused = _FUSED_NAMES.get(act)
+    if fused is not None:
+        return act_and_mul(gate_up, fused)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up

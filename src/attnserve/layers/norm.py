@@ -1,9 +1,15 @@
-"""Normalisation layers: RMSNorm (plain or zero-centred) and LayerNorm, computed in float32."""
+"""Normalisation layers: RMSNorm (plain or zero-centred) and LayerNorm, computed in float32.
+
+RMSNorm's arithmetic, with an optional fused residual add, lives in ``layers/fused.py`` (a
+Triton kernel on CUDA, its PyTorch twin elsewhere).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from attnserve.layers.fused import rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
@@ -17,13 +23,11 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` in one pass."""
+        return rms_norm(x, self.weight, self.eps, residual, self.zero_centered)
 
 
 class LayerNorm(nn.LayerNorm):

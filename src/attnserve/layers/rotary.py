@@ -8,8 +8,10 @@ token's sequence). Frequencies and cos/sin are computed in float32, in the same 
 transformers' ``modeling_rope_utils``; the rotation runs in the input dtype.
 
 What it is not: it does not read HF configs (``arch_families.py`` builds the ``RopeConfig``), it
-is not a fused or Triton kernel, it does not fold YaRN's mscale into the softmax scale (that is the
-attention layer's ``LayerSpec.scale``) and it has no multimodal (M-RoPE) sections.
+holds no kernel (the static types rotate through ``layers/fused.py``: a fused Triton kernel on
+CUDA, the same PyTorch arithmetic elsewhere; the length-dependent types always in PyTorch), it
+does not fold YaRN's mscale into the softmax scale (that is the attention layer's
+``LayerSpec.scale``) and it has no multimodal (M-RoPE) sections.
 
 Length-dependent types, per token. transformers computes one length for the whole batch,
 ``L = max(position_ids) + 1``, and its dynamic-NTK module keeps the grown frequencies until L
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from attnserve.arch import RopeConfig
+from attnserve.layers.fused import rotary, rotate_ref
 
 __all__ = ["RotaryEmbedding", "get_rope"]
 
@@ -133,12 +136,13 @@ class RotaryEmbedding(nn.Module):
         self._tables[name] = table
         return table
 
-    def _lookup(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _need(self, positions: torch.Tensor) -> int:
         if self._reserved:
-            need = self._reserved  # no host sync
-        else:
-            need = int(positions.max()) + 1 if positions.numel() else 0
-        table = self._table(name, need, positions.device)
+            return self._reserved  # no host sync
+        return int(positions.max()) + 1 if positions.numel() else 0
+
+    def _lookup(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._table(name, self._need(positions), positions.device)
         rows = table.index_select(0, positions)  # [T, rotary_dim]
         return rows.chunk(2, dim=-1)
 
@@ -182,24 +186,14 @@ class RotaryEmbedding(nn.Module):
         Returns:
             (q, k) rotated, same shapes and dtypes; dims past ``rotary_dim`` pass through.
         """
+        rd, interleaved = self.rotary_dim, self.cfg.interleaved
+        if self.cfg.rope_type in _STATIC_TYPES:  # one table row per position: fused on CUDA
+            table = self._table("short", self._need(positions), positions.device)
+            return rotary(q, k, table, positions, rd, interleaved)
         cos, sin = self.cos_sin(positions, seq_lens)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rotary_dim // 2]
-        q_out = self._rotate(q, cos.to(q.dtype), sin.to(q.dtype))
-        return q_out, self._rotate(k, cos.to(k.dtype), sin.to(k.dtype))
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rd = self.rotary_dim
-        x_rot = x[..., :rd]
-        if self.cfg.interleaved:  # pairs (x0, x1), (x2, x3), ...
-            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-            out = out.flatten(-2)  # [T, H, rd // 2, 2] -> [T, H, rd]
-        else:  # NeoX: pairs (x_i, x_{i + rd/2})
-            x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2 :]
-            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        if rd == x.shape[-1]:
-            return out
-        return torch.cat([out, x[..., rd:]], dim=-1)
+        q_out = rotate_ref(q, cos.to(q.dtype), sin.to(q.dtype), rd, interleaved)
+        return q_out, rotate_ref(k, cos.to(k.dtype), sin.to(k.dtype), rd, interleaved)
 
 
 def get_rope(cfg: RopeConfig | None, head_size: int) -> RotaryEmbedding | None:
