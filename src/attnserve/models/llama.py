@@ -55,6 +55,14 @@ class LlamaOptions:
         )
 
 
+def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): one fused kernel for RMSNorm on CUDA."""
+    if isinstance(norm, RMSNorm):
+        return norm(x, residual)
+    residual = x + residual
+    return norm(residual), residual
+
+
 def _norm(dim: int, opts: LlamaOptions) -> nn.Module:
     return LayerNorm(dim, eps=opts.norm_eps) if opts.layer_norm else RMSNorm(dim, eps=opts.norm_eps)
 
@@ -109,9 +117,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = _norm(arch.hidden_size, opts)
         self.post_attention_layernorm = _norm(arch.hidden_size, opts)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual adds are fused into the next norm: returns (block output, residual)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = _add_norm(self.input_layernorm, hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = _add_norm(self.post_attention_layernorm, hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,10 +142,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual)
+        return _add_norm(self.norm, hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
