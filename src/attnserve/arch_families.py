@@ -484,7 +484,8 @@ def _jamba(r: Reader) -> Built:
     layers = [s if i % period == offset else
               LayerSpec(index=i, kind=LayerKind.MAMBA, state=state, moe=is_moe(i))
               for i, s in enumerate(attn)]
-    moe = _moe(r, experts=("num_experts",), inter=("intermediate_size",)) if n_exp > 1 else None
+    # Jamba's router keeps the raw top-k softmax weights (no renormalisation)
+    moe = _moe(r, experts=("num_experts",), inter=("intermediate_size",), norm_topk_prob=False) if n_exp > 1 else None
     return layers, moe
 
 
@@ -535,7 +536,7 @@ def _kimi_linear(r: Reader) -> Built:
         for i in lac["kda_layers"]:
             types[i - 1] = "linear_attention"
     _check_types(r, types, {"full_attention", "linear_attention"})
-    use_rope = not bool(r.get("mla_use_nope", default=False))
+    use_rope = not bool(r.get("mla_use_nope", default=True))  # Kimi-Linear's MLA has no RoPE unless told
     full_ids = [i for i, t in enumerate(types) if t == "full_attention"]
     mla = _mla_layers(r, LayerKind.MLA, indexer_for=lambda i: None, use_rope=use_rope, layer_ids=full_ids)
     heads = lac.get("num_heads", r.int("linear_num_heads", default=r.num_heads))

@@ -34,6 +34,12 @@ MODEL_REGISTRY: dict[str, str] = {
     "kimi_k2": "attnserve.models.deepseek:DeepseekForCausalLM",
     "deepseek_v32": "attnserve.models.deepseek:DeepseekForCausalLM",
     "glm_moe_dsa": "attnserve.models.deepseek:DeepseekForCausalLM",
+    "qwen3_next": "attnserve.models.qwen3_next:Qwen3NextForCausalLM",
+    "qwen3_5": "attnserve.models.qwen3_next:Qwen3NextForCausalLM",
+    "qwen3_5_moe": "attnserve.models.qwen3_next:Qwen3NextForCausalLM",
+    "jamba": "attnserve.models.jamba:JambaForCausalLM",
+    "minimax": "attnserve.models.minimax:MiniMaxForCausalLM",
+    "kimi_linear": "attnserve.models.kimi_linear:KimiLinearForCausalLM",
 }
 
 

@@ -1,0 +1,93 @@
+"""TORCH_KDA: Kimi delta attention (Kimi-Linear) over a state pool in PyTorch.
+
+Per step: the three short convs (q, k, v, each with its own conv state), then the recurrent
+one-token KDA step for decode requests and the chunked WY form for the rest; the decode/prefill
+split is ``StateMetadata`` (``torch_gdn.py``).
+
+What it is not: the projections, the forget gate that produces ``g``, the sigmoid-gated RMSNorm
+(the layer, ``layers/kda.py``), the arithmetic (``layers/state_ops``), or a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backends.torch_gdn import StateMetadata, build_state_metadata, conv_forward
+from attnserve.layers.state_ops import kda_decode, kda_prefill
+
+__all__ = ["TorchKDABackend"]
+
+
+class TorchKDABackend(AttentionBackend):
+    name = "TORCH_KDA"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def build_metadata(self, common: Any, group_id: int) -> StateMetadata:
+        return build_state_metadata(common)
+
+    def forward(
+        self,
+        layer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: Any,
+        metadata: StateMetadata,
+    ) -> torch.Tensor:
+        """The KDA output of every token; the layer's three conv states and its state advance.
+
+        Args:
+            layer: ``num_heads``, ``head_dim`` and ``conv_weights`` (q, k, v: each [H*d, K]).
+            q, k, v: [T, H*d] projections before their convs.
+            g: [T, H, d] per-channel log decay (<= 0, float32); beta: [T, H].
+            state_cache: ``conv`` (q, k, v: each [num_slots, H*d, K-1]), ``recurrent[0]``
+                [num_slots, H, d, d].
+            metadata: the step's ``StateMetadata``.
+        Returns:
+            [T, H, d] in the dtype of ``v``.
+        """
+        t, h, d = q.shape[0], layer.num_heads, layer.head_dim
+        q, k, v = (
+            conv_forward(x, w, None, conv, metadata).view(t, h, d)  # [T, H, d]
+            for x, w, conv in zip((q, k, v), layer.conv_weights, state_cache.conv)
+        )
+        state = state_cache.recurrent[0]
+        nd = metadata.num_decodes
+        outs = []
+        if nd:
+            outs.append(
+                kda_decode(
+                    q[:nd],
+                    k[:nd],
+                    v[:nd],
+                    g[:nd],
+                    beta[:nd],
+                    state,
+                    state_indices=metadata.decode_slots,
+                    use_qk_l2norm=True,
+                )
+            )
+        if metadata.num_prefills:
+            outs.append(
+                kda_prefill(
+                    q[nd:],
+                    k[nd:],
+                    v[nd:],
+                    g[nd:],
+                    beta[nd:],
+                    state,
+                    query_start_loc=metadata.prefill_query_start_loc,
+                    state_indices=metadata.prefill_slots,
+                    has_initial_state=metadata.prefill_has_initial_state,
+                    use_qk_l2norm=True,
+                    chunk_size=metadata.chunk_size(64),
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

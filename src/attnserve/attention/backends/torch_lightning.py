@@ -1,0 +1,77 @@
+"""TORCH_LIGHTNING: MiniMax lightning attention over a state pool in PyTorch.
+
+Per step: the recurrent one-token form for decode requests and the block-wise prefill for the
+rest (each continuing its ``KV`` state or starting from zeros); the decode/prefill split is
+``StateMetadata`` (``torch_gdn.py``). Lightning layers have no conv state.
+
+What it is not: the SiLU'd qkv projection, the RMSNorm over all heads and the sigmoid output
+gate (the layer, ``layers/lightning.py``), the arithmetic (``layers/state_ops``), or a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backends.torch_gdn import StateMetadata, build_state_metadata
+from attnserve.layers.state_ops import lightning_attention_decode, lightning_attention_prefill
+
+__all__ = ["TorchLightningBackend"]
+
+
+class TorchLightningBackend(AttentionBackend):
+    name = "TORCH_LIGHTNING"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def build_metadata(self, common: Any, group_id: int) -> StateMetadata:
+        return build_state_metadata(common)
+
+    def forward(
+        self,
+        layer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state_cache: Any,
+        metadata: StateMetadata,
+    ) -> torch.Tensor:
+        """``o_t = sum_{j<=t} lambda^(t-j) (q_t . k_j) v_j`` per head, over cached and new tokens.
+
+        Args:
+            layer: ``decay_rates`` [H] (the per-head ``s_h``, float32) and ``block_size`` (tokens
+                per prefill block).
+            q, k: [T, H, dk]; v: [T, H, dv] (after the SiLU).
+            state_cache: ``recurrent[0]`` [num_slots, H, dk, dv].
+            metadata: the step's ``StateMetadata``.
+        Returns:
+            [T, H, dv] in the dtype of ``v``.
+        """
+        state = state_cache.recurrent[0]
+        rates = layer.decay_rates
+        nd = metadata.num_decodes
+        outs = []
+        if nd:
+            outs.append(
+                lightning_attention_decode(
+                    q[:nd], k[:nd], v[:nd], rates, state, state_indices=metadata.decode_slots
+                )
+            )
+        if metadata.num_prefills:
+            outs.append(
+                lightning_attention_prefill(
+                    q[nd:],
+                    k[nd:],
+                    v[nd:],
+                    rates,
+                    state,
+                    query_start_loc=metadata.prefill_query_start_loc,
+                    state_indices=metadata.prefill_slots,
+                    has_initial_state=metadata.prefill_has_initial_state,
+                    block_size=metadata.chunk_size(layer.block_size),
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,87 @@
+"""TORCH_MAMBA: the Mamba-1 selective scan (Jamba) over a state pool in PyTorch.
+
+Per step: the short conv of every token (decode tokens continue their conv state one step,
+prefill chunks from theirs or from zeros), the layer's token-wise ``ssm_params`` (x_proj, the
+dt/B/C norms, dt_proj, softplus), then the recurrent scan step for decode requests and the
+chunked parallel scan for the rest. The decode/prefill split is ``StateMetadata``
+(``torch_gdn.py``).
+
+What it is not: the in/out projections and the gate (the layer, ``layers/mamba.py``), the
+arithmetic (``layers/state_ops``), Mamba-2, or a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backends.torch_gdn import StateMetadata, build_state_metadata, conv_forward
+from attnserve.layers.state_ops import selective_scan_decode, selective_scan_prefill
+
+__all__ = ["TorchMambaBackend"]
+
+
+class TorchMambaBackend(AttentionBackend):
+    name = "TORCH_MAMBA"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def build_metadata(self, common: Any, group_id: int) -> StateMetadata:
+        return build_state_metadata(common)
+
+    def forward(
+        self, layer, x: torch.Tensor, z: torch.Tensor, state_cache: Any, metadata: StateMetadata
+    ) -> torch.Tensor:
+        """The gated scan output of every token; the layer's conv and SSM states advance.
+
+        Args:
+            layer: ``conv_weight`` [Di, K], ``conv_bias`` [Di] or None, ``A`` [Di, N] (negative,
+                float32), ``D`` [Di], and ``ssm_params(x [T, Di]) -> (dt [T, Di] after softplus,
+                B [T, N], C [T, N])``.
+            x: [T, Di] the projected input before the conv; z: [T, Di] the output gate.
+            state_cache: ``conv[0]`` [num_slots, Di, K-1], ``recurrent[0]`` [num_slots, Di, N].
+            metadata: the step's ``StateMetadata``.
+        Returns:
+            [T, Di] ``(C . h + D x) * SiLU(z)`` in the dtype of ``x``.
+        """
+        xc = conv_forward(x, layer.conv_weight, layer.conv_bias, state_cache.conv[0], metadata)
+        dt, b, c = layer.ssm_params(xc)
+        a, d = layer.A, layer.D
+        state = state_cache.recurrent[0]
+        nd = metadata.num_decodes
+        outs = []
+        if nd:
+            outs.append(
+                selective_scan_decode(
+                    xc[:nd],
+                    dt[:nd],
+                    a,
+                    b[:nd],
+                    c[:nd],
+                    d,
+                    z[:nd],
+                    state,
+                    state_indices=metadata.decode_slots,
+                )
+            )
+        if metadata.num_prefills:
+            outs.append(
+                selective_scan_prefill(
+                    xc[nd:],
+                    dt[nd:],
+                    a,
+                    b[nd:],
+                    c[nd:],
+                    d,
+                    z[nd:],
+                    state,
+                    query_start_loc=metadata.prefill_query_start_loc,
+                    state_indices=metadata.prefill_slots,
+                    has_initial_state=metadata.prefill_has_initial_state,
+                    chunk_size=metadata.chunk_size(128),
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
