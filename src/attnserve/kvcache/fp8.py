@@ -76,13 +76,14 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.float(), scale
 
 
-@functools.lru_cache(maxsize=8)
-def _sylvester(n: int) -> torch.Tensor:
-    """The n x n Sylvester Hadamard matrix of +-1 (n a power of two), float32 on CPU."""
+@functools.lru_cache(maxsize=16)
+def _sylvester(n: int, device: torch.device) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix of +-1 (n a power of two), float32, one copy per
+    device (no host-to-device copy per call, so the fp8 indexer can be graph-captured)."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    return h
+    return h.to(device)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     if n <= 0 or n & (n - 1):
         raise ValueError(f"hadamard needs a power-of-two last dim, got {n}")
-    h = _sylvester(n).to(x.device)
+    h = _sylvester(n, x.device)
     return (torch.matmul(x.float(), h) * n**-0.5).to(x.dtype)
 
 

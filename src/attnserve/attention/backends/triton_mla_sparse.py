@@ -1,0 +1,161 @@
+"""TRITON_MLA_SPARSE: DSA (DeepSeek-V3.2, GLM-5) with the Triton indexer and sparse-MLA kernels.
+
+The same contract, caches and arithmetic as TORCH_MLA_SPARSE (``torch_mla_sparse.py``), whose
+docstring defines the two calls a sparse layer makes:
+
+1. ``select_topk``: stores the new indexer keys (``write_indexer_rows``: model dtype or
+   132-byte fp8 rows), then ``ops/triton_mla_sparse.lightning_indexer_topk`` scores every
+   visible key in one kernel (exact over a model-dtype cache, DeepSeek's fp8 formula over an
+   fp8 cache) and keeps the best ``topk`` with ``torch.topk``. Decodes are one batched call;
+   prefills one request at a time, in query chunks that bound the [Q, S] logits. Rows that
+   see at most ``topk`` keys select all of them without scoring, in position order (the
+   selection is a set: attention does not depend on its order).
+2. ``forward(..., topk_indices=...)``: stores the new latent rows, absorbs the queries and runs
+   ``sparse_mla`` over each row's selected latent rows (decode and prefill rows alike, -1 slots
+   skipped, all -1 gives 0), then applies ``W_UV``.
+
+Not here: the kernels (``ops/triton_mla_sparse.py``), the projections and RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backends.torch_mla import write_latent_rows
+from attnserve.attention.backends.torch_mla_sparse import write_indexer_rows
+from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
+from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.attention.ops.triton_mla_sparse import lightning_indexer_topk, sparse_mla
+
+__all__ = ["TritonMLASparseBackend", "TritonMLASparseMetadata"]
+
+# Elements of one chunk's largest intermediate (logits [Q, S] float32, or absorbed queries and
+# their outputs [T, H, L + R]): 2^24 = 64 MiB of float32.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(slots=True)
+class TritonMLASparseMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, -1 where nothing is written
+    positions: torch.Tensor  # [T] int64 absolute position of each new token
+    token_req: torch.Tensor  # [T] int32 the request each token belongs to
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    num_decodes: int
+    decode_max_seq_len: int
+    prefills: list[tuple[int, int, int, int]]  # (q_start, q_end, request, seq_len) per prefill
+
+
+def _chunks(start: int, end: int, per_item: int):
+    """(a, b) ranges over [start, end) so a chunk holds about ``_CHUNK_ELEMENTS``."""
+    step = max(1, _CHUNK_ELEMENTS // max(per_item, 1))
+    for a in range(start, end, step):
+        yield a, min(a + step, end)
+
+
+class TritonMLASparseBackend(AttentionBackend):
+    name = "TRITON_MLA_SPARSE"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def build_metadata(
+        self, common: CommonAttentionMetadata, group_id: int
+    ) -> TritonMLASparseMetadata:
+        bt = common.block_tables[group_id]
+        nd = common.num_decodes
+        query_lens = torch.tensor(common.query_lens_cpu, device=bt.device)
+        reqs = torch.arange(common.num_reqs, dtype=torch.int32, device=bt.device)
+        q = common.query_start_loc_cpu
+        return TritonMLASparseMetadata(
+            slot_mapping=common.slot_mappings[group_id],
+            positions=common.positions.long(),
+            token_req=torch.repeat_interleave(reqs, query_lens, output_size=common.num_tokens),
+            block_table=bt,
+            seq_lens=common.seq_lens,
+            query_start_loc=common.query_start_loc,
+            num_decodes=nd,
+            decode_max_seq_len=max(common.seq_lens_cpu[:nd], default=0),
+            prefills=[
+                (q[i], q[i + 1], i, common.seq_lens_cpu[i]) for i in range(nd, common.num_reqs)
+            ],
+        )
+
+    def select_topk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        weights: torch.Tensor,
+        kv_cache: dict[str, torch.Tensor],
+        metadata: TritonMLASparseMetadata,
+        *,
+        topk: int,
+    ) -> torch.Tensor:
+        """Store the new indexer keys and pick each new token's top-k keys.
+
+        Args:
+            q: [T, H_I, D] indexer queries after RoPE; k: [T, D] new keys after k_norm and RoPE.
+            weights: [T, H_I] raw ``weights_proj(x)`` (float32).
+            kv_cache: the layer's caches; ``"indexer"`` is read and written.
+            metadata: what ``build_metadata`` returned for the layer's group.
+            topk: the output width (``index_topk``).
+        Returns:
+            [T, topk] int32 absolute positions; -1 beyond the valid keys.
+        """
+        cache = kv_cache["indexer"]
+        md = metadata
+        write_indexer_rows(cache, k, md.slot_mapping)
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = lightning_indexer_topk(
+                q[:nd], weights[:nd], cache, md.block_table[:nd], md.query_start_loc[: nd + 1],
+                md.seq_lens[:nd], md.positions[:nd], topk=topk, max_query_len=1,
+                max_seq_len=md.decode_max_seq_len,
+            )  # fmt: skip
+        for start, end, req, seq_len in md.prefills:
+            table, lens = md.block_table[req : req + 1], md.seq_lens[req : req + 1]
+            for a, b in _chunks(start, end, seq_len):
+                qsl = torch.tensor([0, b - a], dtype=torch.int32, device=q.device)
+                out[a:b] = lightning_indexer_topk(
+                    q[a:b], weights[a:b], cache, table, qsl, lens, md.positions[a:b], topk=topk,
+                    max_query_len=b - a, max_seq_len=seq_len,
+                )  # fmt: skip
+        return out
+
+    def forward(
+        self,
+        layer,
+        q,
+        k,
+        v,
+        kv_cache,
+        metadata: TritonMLASparseMetadata,
+        *,
+        topk_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write the new latent rows ``k`` and attend over the selected rows of each query.
+
+        ``q``, ``k``, ``v`` and the result have TORCH_MLA's meanings; ``topk_indices`` [T, K]
+        holds absolute positions (-1 unused) from ``select_topk`` or, on a GLM-5 "shared"
+        layer, from the previous full layer. Returns [T, H, d_v] in q's dtype.
+        """
+        if topk_indices is None:
+            raise ValueError(f"{self.name} attends over top-k indices: pass topk_indices")
+        cache = kv_cache["latent"]
+        rank, rope, d_nope = layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim
+        write_latent_rows(cache, k, metadata.slot_mapping, rank)
+        w_kv_b = layer.w_kv_b.to(q.dtype)
+        out = q.new_empty(q.shape[0], q.shape[1], w_kv_b.shape[1] - d_nope)
+        for a, b in _chunks(0, q.shape[0], q.shape[1] * (rank + rope)):
+            u = sparse_mla(
+                absorb_query(q[a:b], w_kv_b, d_nope), cache, metadata.block_table,
+                metadata.seq_lens, topk_indices[a:b], metadata.token_req[a:b],
+                kv_lora_rank=rank, scale=layer.scale,
+            )  # fmt: skip
+            out[a:b] = apply_w_uv(u, w_kv_b, d_nope)
+        return out

@@ -1,0 +1,395 @@
+"""Triton MLA kernels (dense decode, sparse MLA, DSA indexer) against their PyTorch twins, on CPU.
+
+Runs through Triton's interpreter (``TRITON_INTERPRET=1``), in fp32 and fp16 (bf16 once, to
+check the kernels' fp32 up-cast; the interpreter cannot do bf16 arithmetic), over model-dtype
+and fp8 (656-byte layout at tiny size: kv_lora_rank 128) latent caches. Caches are filled with
+NaN (0xFF bytes for fp8) before the live rows are written, so a read of the null block or of
+an unused slot shows up as NaN. Block tables are random permutations that never use block 0.
+Lengths sit on and around page and tile boundaries. Then the backends end to end: tiny
+DeepSeek-V3 and V3.2 models through ``LLM(attention_backend=TRITON_MLA / TRITON_MLA_SPARSE)``
+give TORCH_MLA's / TORCH_MLA_SPARSE's greedy tokens and logprobs (1e-4).
+
+Not covered here: GPU numerics and speed (``benchmarks/gpu_mla.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+try:
+    import triton  # noqa: E402, F401
+except ImportError:
+    pytest.skip("triton is not installed (pip install attnserve[gpu])", allow_module_level=True)
+
+from attnserve.attention.backends.torch_mla_sparse import index_scores  # noqa: E402
+from attnserve.attention.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
+from attnserve.attention.ops.triton_mla_sparse import (  # noqa: E402
+    IndexerConfig,
+    indexer_logits,
+    lightning_indexer_topk,
+    sparse_mla,
+)
+from attnserve.attention.reference_mla import (  # noqa: E402
+    absorb_q,
+    apply_w_uv,
+    indexer_topk,
+    mla_decode_absorbed,
+    sparse_mla_attention,
+    write_indexer_keys,
+    write_latent,
+)
+from attnserve.kvcache.fp8 import hadamard, mla_fp8_row_bytes, quantize_act_fp8  # noqa: E402
+
+HEADS, NOPE, ROPE, V = 4, 16, 8, 12
+IDX_HEADS, IDX_DIM = 16, 32
+SCALE = 0.3
+# max|out - ref| / max|ref| against the float32 twins
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+def paged(seq_lens, width, page, gen, fill, dtype=torch.float32):
+    """A NaN-filled paged cache, block tables (random blocks, block 0 never used, one spare
+    column of zeros) and each request's slots [S]."""
+    max_blocks = max(-(-s // page) for s in seq_lens) + 1
+    num_blocks = len(seq_lens) * max_blocks + 2
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots = []
+    for i, s in enumerate(seq_lens):
+        n = -(-s // page)
+        table[i, :n] = torch.tensor(free[:n], dtype=torch.int32)
+        free = free[n:]
+        pos = torch.arange(s)
+        slots.append(table[i].long()[pos // page] * page + pos % page)
+    cache = torch.full((num_blocks, page, width), fill, dtype=dtype)
+    return cache, table, slots
+
+
+def latent_batch(seq_lens, rank, dtype, fp8, page, seed):
+    """(cache, block_table) holding random latent rows of each request."""
+    gen = torch.Generator().manual_seed(seed)
+    if fp8:
+        cache, table, slots = paged(seq_lens, mla_fp8_row_bytes(rank, ROPE), page, gen, 255,
+                                    torch.uint8)  # fmt: skip
+    else:
+        cache, table, slots = paged(seq_lens, rank + ROPE, page, gen, float("nan"), dtype)
+    for s in slots:
+        c_kv, k_pe = (
+            torch.randn(len(s), rank, generator=gen),
+            torch.randn(len(s), ROPE, generator=gen),
+        )
+        write_latent(cache, c_kv, k_pe, s)
+    return cache, table
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN: an unused slot or the null block was read"
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+# ----------------------------------------------------------------------------- dense decode
+
+DECODE_LENS = [1, 16, 17, 63, 64, 65, 100]  # page 16, interpreter tiles of 64 keys
+
+
+@pytest.mark.parametrize(
+    "dtype,fp8",
+    [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False),
+     (torch.float32, True), (torch.float16, True)],
+    ids=["fp32", "fp16", "bf16", "fp32-fp8", "fp16-fp8"],
+)  # fmt: skip
+def test_mla_decode_matches_twin(dtype, fp8):
+    rank = 128 if fp8 else 32
+    gen = torch.Generator().manual_seed(1)
+    cache, table = latent_batch(DECODE_LENS, rank, dtype, fp8, 16, seed=2)
+    b = len(DECODE_LENS)
+    q_nope, q_pe = (
+        torch.randn(b, HEADS, NOPE, generator=gen),
+        torch.randn(b, HEADS, ROPE, generator=gen),
+    )
+    w_uk = torch.randn(HEADS, NOPE, rank, generator=gen) * rank**-0.5
+    w_uv = torch.randn(HEADS, V, rank, generator=gen)
+    seq_lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    ref = mla_decode_absorbed(q_nope, q_pe, cache, table, torch.arange(b + 1), seq_lens,
+                              w_uk=w_uk, w_uv=w_uv, scale=SCALE)  # fmt: skip
+    q = absorb_q(q_nope, q_pe, w_uk).to(dtype)  # [B, H, L + R]
+    u = mla_decode(q, cache, table, seq_lens, kv_lora_rank=rank, scale=SCALE, max_seq_len=100)
+    assert u.dtype == dtype and u.shape == (b, HEADS, rank)
+    assert rel_err(apply_w_uv(u, w_uv), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_mla_decode_split_matches_unsplit(fp8):
+    """Splits of uneven size, empty splits (short rows) and a row with no keys (output 0)."""
+    rank, lens = (128 if fp8 else 32), [0, 3, 47, 129, 200]
+    cache, table = latent_batch(lens, rank, torch.float32, fp8, 16, seed=3)
+    q = torch.randn(len(lens), HEADS, rank + ROPE, generator=torch.Generator().manual_seed(4))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cfg = MLAConfig(16, 16, 4, 1)  # 16-key tiles: up to 13 tiles, so every split has work
+    whole = mla_decode(q, cache, table, seq_lens, kv_lora_rank=rank, scale=SCALE,
+                       max_seq_len=200, num_splits=1, config=cfg)  # fmt: skip
+    assert (whole[0] == 0).all()
+    for splits in (2, 3, 8):
+        part = mla_decode(q, cache, table, seq_lens, kv_lora_rank=rank, scale=SCALE,
+                          max_seq_len=200, num_splits=splits, config=cfg)  # fmt: skip
+        assert (part[0] == 0).all()
+        assert rel_err(part, whole) < 2e-6, splits
+
+
+@pytest.mark.parametrize("page,block_n", [(4, 32), (32, 16)], ids=["pages<tile", "pages>tile"])
+def test_mla_decode_head_blocks_and_pages(page, block_n):
+    """20 heads in blocks of 16 (a masked tail block), pages smaller and larger than a tile."""
+    lens, heads, rank = [5, 33, 70], 20, 32
+    cache, table = latent_batch(lens, rank, torch.float32, False, page, seed=5)
+    q = torch.randn(len(lens), heads, rank + ROPE, generator=torch.Generator().manual_seed(6))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = sparse_mla_attention(
+        q, cache, table, _all_positions(lens), kv_lora_rank=rank, scale=SCALE
+    )
+    out = torch.full((len(lens), heads, rank), float("nan"))
+    mla_decode(q, cache, table, seq_lens, kv_lora_rank=rank, scale=SCALE, max_seq_len=70,
+               out=out, config=MLAConfig(16, block_n, 4, 1))  # fmt: skip
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def _all_positions(lens) -> torch.Tensor:
+    """[B, max] every position of each request, -1 padded (dense attention as sparse rows)."""
+    width = max(lens)
+    cols = torch.arange(width)
+    return torch.stack([torch.where(cols < n, cols, -1) for n in lens]).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- sparse MLA
+
+
+def sparse_rows(query_lens, seq_lens, topk, gen):
+    """Per query row: its request, and top-k positions drawn from its causal range with -1
+    slots mixed in; the last row of the first request selects nothing."""
+    reqs, rows = [], []
+    for r, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        for pos in range(sl - ql, sl):
+            pick = torch.randperm(pos + 1, generator=gen)[:topk]
+            row = torch.full((topk,), -1, dtype=torch.int32)
+            row[: len(pick)] = pick.to(torch.int32)
+            rows.append(row[torch.randperm(topk, generator=gen)])
+            reqs.append(r)
+    idx = torch.stack(rows)
+    idx[query_lens[0] - 1] = -1
+    return idx, torch.tensor(reqs, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "dtype,fp8",
+    [(torch.float32, False), (torch.float16, False), (torch.float32, True), (torch.float16, True)],
+    ids=["fp32", "fp16", "fp32-fp8", "fp16-fp8"],
+)
+def test_sparse_mla_matches_twin(dtype, fp8):
+    """Decode rows and prefill rows (a chunk over a cached prefix) in one call."""
+    rank, topk = (128 if fp8 else 32), 24
+    query_lens, seq_lens = [1, 1, 9, 5], [3, 40, 30, 5]
+    gen = torch.Generator().manual_seed(7)
+    cache, table = latent_batch(seq_lens, rank, dtype, fp8, 8, seed=8)
+    idx, reqs = sparse_rows(query_lens, seq_lens, topk, gen)
+    q = torch.randn(len(reqs), HEADS, rank + ROPE, generator=gen)
+    qsl = torch.tensor([0, *itertools.accumulate(query_lens)])
+    ref = sparse_mla_attention(q, cache, table, idx, kv_lora_rank=rank, scale=SCALE,
+                               query_start_loc=qsl)  # fmt: skip
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    u = sparse_mla(q.to(dtype), cache, table, lens, idx, reqs, kv_lora_rank=rank, scale=SCALE)
+    assert (u[0] == 0).all(), "a row of all -1 gives 0"
+    assert rel_err(u, ref) < TOL[dtype]
+
+
+def test_sparse_mla_splits_and_out_of_range():
+    """Split K gives the unsplit result; positions >= the request's length count as -1."""
+    query_lens, seq_lens, rank = [1, 1, 1], [50, 7, 90], 32
+    gen = torch.Generator().manual_seed(9)
+    cache, table = latent_batch(seq_lens, rank, torch.float32, False, 16, seed=10)
+    idx, reqs = sparse_rows(query_lens, seq_lens, 40, gen)
+    q = torch.randn(3, HEADS, rank + ROPE, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    cfg = MLAConfig(16, 16, 4, 1)
+    whole = sparse_mla(q, cache, table, lens, idx, reqs, kv_lora_rank=rank, scale=SCALE,
+                       num_splits=1, config=cfg)  # fmt: skip
+    for splits in (2, 3):
+        part = sparse_mla(q, cache, table, lens, idx, reqs, kv_lora_rank=rank, scale=SCALE,
+                          num_splits=splits, config=cfg)  # fmt: skip
+        assert rel_err(part, whole) < 2e-6
+    beyond = torch.where(idx < 0, torch.tensor([[200], [7], [95]], dtype=torch.int32), idx)
+    same = sparse_mla(q, cache, table, lens, beyond, reqs, kv_lora_rank=rank, scale=SCALE,
+                      config=cfg)  # fmt: skip
+    assert rel_err(same, whole) < 2e-6
+
+
+# ----------------------------------------------------------------------------- indexer
+
+INDEXER_CASES = {
+    "decode": ([1, 1, 1, 1], [1, 40, 64, 97]),
+    "prefill": ([21], [21]),
+    "mixed_chunked": ([1, 1, 13, 4, 6], [9, 66, 40, 4, 70]),
+}
+
+
+def indexer_batch(case, dtype, fp8, seed, page=16):
+    gen = torch.Generator().manual_seed(seed)
+    query_lens, seq_lens = INDEXER_CASES[case]
+    width = IDX_DIM + 4 if fp8 else IDX_DIM
+    fill = 255 if fp8 else float("nan")
+    cache, table, slots = paged(seq_lens, width, page, gen, fill, torch.uint8 if fp8 else dtype)
+    for s in slots:
+        write_indexer_keys(cache, torch.randn(len(s), IDX_DIM, generator=gen), s)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+    return dict(
+        q=torch.randn(len(positions), IDX_HEADS, IDX_DIM, generator=gen).to(dtype),
+        weights=torch.randn(len(positions), IDX_HEADS, generator=gen),
+        index_cache=cache,
+        block_table=table,
+        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        positions=positions,
+    ), (max(query_lens), max(seq_lens))
+
+
+def twin_logits(b) -> torch.Tensor:
+    """[T, S_max] index scores by TORCH_MLA_SPARSE's formula, -inf where not visible."""
+    qsl, lens, cache = b["query_start_loc"].tolist(), b["seq_lens"].tolist(), b["index_cache"]
+    out = torch.full((len(b["positions"]), max(lens)), float("-inf"))
+    for i, s in enumerate(lens):
+        pos = torch.arange(s)
+        rows = cache[b["block_table"][i].long()[pos // cache.shape[1]], pos % cache.shape[1]]
+        a, e = qsl[i], qsl[i + 1]
+        scores = index_scores(b["q"][None, a:e], b["weights"][None, a:e], rows[None])[0]
+        visible = pos[None, :] <= b["positions"][a:e, None]
+        out[a:e, :s] = scores.masked_fill(~visible, float("-inf"))
+    return out
+
+
+def run_logits(b, fp8, max_q, max_s, config=None):
+    """(kernel logits, twin logits) of an indexer batch, scaled as lightning_indexer_topk does."""
+    heads, dim = IDX_HEADS, IDX_DIM
+    if fp8:
+        q8, q_scale = quantize_act_fp8(hadamard(b["q"]))
+        q_in, hw, dot_scale = q8, b["weights"] * heads**-0.5 * q_scale * dim**-0.5, 1.0
+    else:
+        q_in, hw, dot_scale = b["q"], b["weights"] * heads**-0.5, dim**-0.5
+    args = {k: v for k, v in b.items() if k not in ("q", "weights")}
+    got = indexer_logits(
+        q_in, hw, **args, width=max_s, max_query_len=max_q, dot_scale=dot_scale, config=config
+    )
+    return got, twin_logits(b)
+
+
+def assert_close_logits(got, want, tol):
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "causal / length mask"
+    seen = ~torch.isneginf(want)
+    assert ((got[seen] - want[seen]).abs().max() / want[seen].abs().max()) < tol
+
+
+@pytest.mark.parametrize("case", sorted(INDEXER_CASES))
+@pytest.mark.parametrize(
+    "dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float32, True)],
+    ids=["fp32", "fp16", "fp8"],
+)  # fmt: skip
+def test_indexer_logits_and_topk(case, dtype, fp8):
+    b, (max_q, max_s) = indexer_batch(case, dtype, fp8, seed=11)
+    got, want = run_logits(b, fp8, max_q, max_s)
+    assert_close_logits(got, want, 2e-3 if dtype == torch.float16 else 2e-6)
+    args = {k: v for k, v in b.items() if k not in ("q", "weights")}
+    topk = 8
+    sel = lightning_indexer_topk(
+        b["q"], b["weights"], **args, topk=topk, max_query_len=max_q, max_seq_len=max_s
+    )
+    ref = indexer_topk(b["q"], b["weights"], **args, topk=topk, fp8=fp8)
+    assert_same_selection(sel, ref, want)
+
+
+@pytest.mark.parametrize(
+    "case,config",
+    [("decode", IndexerConfig(1, 16, 4, 1, key_tiles=2)),
+     ("mixed_chunked", IndexerConfig(2, 32, 4, 1, key_tiles=3)),
+     ("mixed_chunked", IndexerConfig(4, 16, 4, 1, key_tiles=1))],
+    ids=["decode-16x2", "mixed-t2-32x3", "mixed-t4-16x1"],
+)  # fmt: skip
+def test_indexer_logits_tiling(case, config):
+    """Several programs per row, each over several key tiles (the last one past the width),
+    and token blocks that straddle requests' ends; fp8 rows."""
+    b, (max_q, max_s) = indexer_batch(case, torch.float32, True, seed=13)
+    got, want = run_logits(b, True, max(max_q, 2), max_s, config)
+    assert_close_logits(got, want, 2e-6)
+
+
+def assert_same_selection(sel, ref, logits, tol=1e-4):
+    """Same number of -1 per row, and the selected keys' scores equal the twin's (so a swap
+    between keys of equal score passes, any other difference fails)."""
+    assert sel.shape == ref.shape and sel.dtype == torch.int32
+    assert torch.equal((sel < 0).sum(1), (ref < 0).sum(1))
+    for row in range(sel.shape[0]):
+        a, b = sel[row][sel[row] >= 0].long(), ref[row][ref[row] >= 0].long()
+        assert len(set(a.tolist())) == len(a), "a key selected twice"
+        va, vb = logits[row, a].sort().values, logits[row, b].sort().values
+        assert (va - vb).abs().max().item() <= tol * max(1.0, vb.abs().max().item()), row
+
+
+def test_indexer_topk_selects_every_key_when_few():
+    """max_seq_len <= topk: every visible key, without scoring; equal to the twin as a set."""
+    b, (max_q, max_s) = indexer_batch("mixed_chunked", torch.float32, False, seed=12)
+    args = {k: v for k, v in b.items() if k not in ("q", "weights")}
+    sel = lightning_indexer_topk(b["q"], b["weights"], **args, topk=80, max_query_len=max_q,
+                                 max_seq_len=max_s)  # fmt: skip
+    ref = indexer_topk(b["q"], b["weights"], **args, topk=80, fp8=False)
+    for row in range(sel.shape[0]):
+        assert set(sel[row].tolist()) == set(ref[row].tolist())
+
+
+# ----------------------------------------------------------------------------- backends, end to end
+
+ENGINE_CASES = {  # name -> (model type, config module, overrides, engine options)
+    "v3": ("deepseek_v3", "test_parity_deepseek", {}, {}),
+    "v3_fp8": ("deepseek_v3", "test_parity_deepseek", {"kv_lora_rank": 128}, {"kv_cache_dtype": "fp8"}),
+    "v32": ("deepseek_v32", "test_parity_dsa", {}, {}),
+    "v32_fp8": ("deepseek_v32", "test_parity_dsa", {"kv_lora_rank": 128}, {"kv_cache_dtype": "fp8"}),
+}  # fmt: skip
+
+
+def _config(module: str) -> dict:
+    import importlib
+
+    mod = importlib.import_module(f"tests.models.{module}")
+    return dict(mod.FAMILIES["v3"][1]) if module == "test_parity_deepseek" else dict(mod.DSA)
+
+
+@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+def test_engine_matches_torch_backend(case, tmp_path):
+    """Chunked prefill (mixed decode + prefill steps) and decode through the Triton backend
+    give the PyTorch backend's greedy tokens, prompt and sample logprobs (1e-4). The DSA
+    prompts are longer than index_topk (6), so the indexer really selects."""
+    from attnserve import LLM, SamplingParams
+    from tests.models.parity import build_hf_model, make_prompts, run_engine
+
+    model_type, module, overrides, engine = ENGINE_CASES[case]
+    build_hf_model(model_type, {**_config(module), **overrides}, tmp_path)
+    prompts = make_prompts([5, 19, 27])
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=2)  # fmt: skip
+    sparse = model_type == "deepseek_v32"
+    names = ("TORCH_MLA_SPARSE", "TRITON_MLA_SPARSE") if sparse else ("TORCH_MLA", "TRITON_MLA")
+    outs = {}
+    for name in names:
+        llm = LLM(str(tmp_path), dtype="float32", block_size=16, attention_backend=name,
+                  max_num_batched_tokens=12, **engine)  # fmt: skip
+        assert llm.llm_engine.parts.backend_names == [name]
+        outs[name] = run_engine(llm, prompts, params)
+    for a, b in zip(outs[names[0]], outs[names[1]]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pairs = [*zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]),
+                 *zip(a.outputs[0].logprobs, b.outputs[0].logprobs)]  # fmt: skip
+        for ea, eb in pairs:
+            assert set(ea) == set(eb)
+            for tid in ea:
+                assert abs(ea[tid].logprob - eb[tid].logprob) < 1e-4
