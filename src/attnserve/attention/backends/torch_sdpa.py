@@ -114,8 +114,10 @@ class TorchSDPABackend(AttentionBackend):
 
         def read(cache: torch.Tensor, blocks: torch.Tensor, scale: float) -> torch.Tensor:
             """[..., n_blocks] block ids -> [..., n_blocks * block_size, Hkv, D] in q's dtype."""
-            x = cache[blocks] if not fp8 else cache.view(torch.uint8)[blocks].view(cache.dtype)
-            x = x.flatten(-4, -3)
+            src = cache if not fp8 else cache.view(torch.uint8)
+            x = src.index_select(0, blocks.reshape(-1))  # whole blocks: row copies, 4x faster than x[idx]
+            x = x.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+            x = x if not fp8 else x.view(cache.dtype)
             return x.to(q.dtype) if not fp8 else (x.float() * scale).to(q.dtype)
 
         out = torch.empty(q.shape[0], q.shape[1], vc.shape[-1], dtype=q.dtype, device=q.device)
