@@ -1,4 +1,5 @@
-"""KV cache offloading: tiers, bit-exact round trips for standard, MLA and DSA models, churn
+"""KV cache offloading: tiers, bit-exact round trips for standard, MLA, DSA and hybrid models
+(whose state snapshots travel with the blocks), churn
 without leaks, and bad states (corrupt or missing disk files, a full tier) that degrade to
 recomputation."""
 
@@ -20,8 +21,14 @@ MLA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermed
            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
            v_head_dim=16, max_position_embeddings=256, n_routed_experts=4, num_experts_per_tok=2,
            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, n_group=2, topk_group=1)
+QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"])
 MODELS = {
     "llama": LLAMA,
+    "qwen3_next": ("qwen3_next", QWEN3_NEXT),
     "deepseek_v3": ("deepseek_v3", MLA),
     "deepseek_v32": ("deepseek_v32", dict(MLA, index_topk=6, index_n_heads=16, index_head_dim=16)),
 }
