@@ -1,4 +1,5 @@
-"""TORCH_SDPA against the PyTorch reference twin, over random paged layouts and every feature."""
+"""TORCH_SDPA and FLEX_ATTENTION against the PyTorch reference twin, over random paged layouts
+and every feature."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from attnserve.attention.backends.flex import FlexAttentionBackend
 from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv
@@ -59,10 +61,14 @@ FEATURES = {
 }
 
 
+BACKENDS = {"torch_sdpa": TorchSDPABackend, "flex": FlexAttentionBackend}
+
+
+@pytest.mark.parametrize("backend_name", sorted(BACKENDS))
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 @pytest.mark.parametrize("heads", [(6, 2), (6, 1), (6, 6)], ids=["gqa", "mqa", "mha"])
-def test_matches_reference(case, feature, heads):
+def test_matches_reference(case, feature, heads, backend_name):
     gen = torch.Generator().manual_seed(hash((case, feature, heads)) % 2**31)
     num_heads, num_kv = heads
     head = 8
@@ -82,7 +88,7 @@ def test_matches_reference(case, feature, heads):
     ref = paged_attention(q, ref_k, ref_v, common.block_tables[0], common.query_start_loc, common.seq_lens,
                           scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes, sinks=layer.sinks,
                           softcap=layer.softcap)
-    backend = TorchSDPABackend(BLOCK)
+    backend = BACKENDS[backend_name](BLOCK)
     out = backend.forward(layer, q, k, v, (kc, vc), backend.build_metadata(common, 0))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(kc, ref_k)  # the new K/V landed in their slots
@@ -104,3 +110,24 @@ def test_fp8_cache_matches_reference_on_the_same_bytes():
     assert kc.dtype == torch.float8_e4m3fn
     assert torch.equal(kc.view(torch.uint8), ref_k.view(torch.uint8))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_engine_with_flex_attention_matches_torch_sdpa(tmp_path):
+    from attnserve import LLM, SamplingParams
+    from tests.models.parity import build_hf_model, make_prompts, run_engine
+
+    build_hf_model("gemma2", dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                                  sliding_window=6, max_position_embeddings=64), tmp_path)
+    prompts = make_prompts([5, 13])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    outs = {}
+    for name in ("TORCH_SDPA", "FLEX_ATTENTION"):
+        llm = LLM(str(tmp_path), dtype="float32", block_size=4, attention_backend=name, max_num_batched_tokens=8)
+        assert set(llm.llm_engine.parts.backend_names) == {name}
+        outs[name] = run_engine(llm, prompts, params)
+    for a, b in zip(outs["TORCH_SDPA"], outs["FLEX_ATTENTION"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            for tid in ea:
+                assert abs(ea[tid].logprob - eb[tid].logprob) < 1e-4

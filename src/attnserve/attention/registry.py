@@ -185,7 +185,7 @@ for _e in (
            layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY,
            features=_ALL_FEATURES | {"streaming"}),
     _entry("FLEX_ATTENTION", "attnserve.attention.backends.flex:FlexAttentionBackend", "torch FlexAttention over the paged cache",
-           layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT, platforms=_ANY,
+           layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY,
            features=_ALL_FEATURES),
     _entry("TRITON_ATTN", "attnserve.attention.backends.triton_attn:TritonAttentionBackend", "Triton paged prefill and split-KV decode",
            layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_GPU,

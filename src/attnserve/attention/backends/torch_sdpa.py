@@ -98,29 +98,38 @@ class TorchSDPABackend(AttentionBackend):
             prefills.append((q[i], q[i + 1], context, seq_len, bt[i, : -(-seq_len // bs)].long()))
         return TorchSDPAMetadata(common.slot_mappings[group_id], nd, dec_blocks, dec_kpos, dec_qpos, prefills)
 
-    def forward(self, layer, q, k, v, kv_cache, metadata: TorchSDPAMetadata) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
+    @staticmethod
+    def _write(layer, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+        """New K/V [T, Hkv, D] into their slots (-1: skipped); fp8 stores ``x / scale``."""
         kc = key_cache.view(-1, *key_cache.shape[2:])  # [num_blocks * block_size, Hkv, D]
         vc = value_cache.view(-1, *value_cache.shape[2:])
-        fp8 = kc.dtype == torch.float8_e4m3fn
-        keep = metadata.slot_mapping >= 0
-        slots = metadata.slot_mapping[keep]
-        if fp8:  # fp8 is copied as raw bytes: not every device indexes float8 tensors
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        if kc.dtype == torch.float8_e4m3fn:  # copied as raw bytes: not every device indexes float8
             kc.view(torch.uint8).index_copy_(0, slots, (k[keep].float() / layer.k_scale).to(kc.dtype).view(torch.uint8))
             vc.view(torch.uint8).index_copy_(0, slots, (v[keep].float() / layer.v_scale).to(vc.dtype).view(torch.uint8))
         else:
             kc.index_copy_(0, slots, k[keep].to(kc.dtype))
             vc.index_copy_(0, slots, v[keep].to(vc.dtype))
 
-        def read(cache: torch.Tensor, blocks: torch.Tensor, scale: float) -> torch.Tensor:
-            """[..., n_blocks] block ids -> [..., n_blocks * block_size, Hkv, D] in q's dtype."""
-            src = cache if not fp8 else cache.view(torch.uint8)
-            x = src.index_select(0, blocks.reshape(-1))  # whole blocks: row copies, 4x faster than x[idx]
-            x = x.view(*blocks.shape[:-1], -1, *cache.shape[2:])
-            x = x if not fp8 else x.view(cache.dtype)
-            return x.to(q.dtype) if not fp8 else (x.float() * scale).to(q.dtype)
+    @staticmethod
+    def _read(cache: torch.Tensor, blocks: torch.Tensor, scale: float, fp8: bool, dtype: torch.dtype) -> torch.Tensor:
+        """[..., n_blocks] block ids -> [..., n_blocks * block_size, Hkv, D] in ``dtype``."""
+        src = cache if not fp8 else cache.view(torch.uint8)
+        x = src.index_select(0, blocks.reshape(-1))  # whole blocks: row copies, 4x faster than x[idx]
+        x = x.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+        return x.to(dtype) if not fp8 else (x.view(cache.dtype).float() * scale).to(dtype)
 
-        out = torch.empty(q.shape[0], q.shape[1], vc.shape[-1], dtype=q.dtype, device=q.device)
+    def forward(self, layer, q, k, v, kv_cache, metadata: TorchSDPAMetadata) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        fp8 = key_cache.dtype == torch.float8_e4m3fn
+        self._write(layer, k, v, key_cache, value_cache, metadata.slot_mapping)
+
+        def read(cache: torch.Tensor, blocks: torch.Tensor, scale: float) -> torch.Tensor:
+            return self._read(cache, blocks, scale, fp8, q.dtype)
+
+        out = torch.empty(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=q.dtype, device=q.device)
         nd = metadata.num_decodes
         if getattr(layer, "streaming", None) is not None:
             return self._forward_streaming(layer, q, key_cache, value_cache, read, metadata, out)
