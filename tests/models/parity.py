@@ -112,3 +112,53 @@ def assert_parity(ref: Reference, outs, *, prompt_logprobs: bool = True, tol: fl
                     worst = max(worst, d)
                     assert d < tol, f"prompt {i} position {pos} token {tid}: logprob off by {d:.2e}"
     return worst
+
+
+# --- the four engine paths every family is checked on ------------------------------------------
+# A family is the tuple (name, model_dir, hf_model, prompts, reference) the test files build.
+
+MAX_TOKENS = 16
+
+
+def greedy(**kw):
+    from attnserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3, **kw)
+
+
+def _llm(path, **engine):
+    from attnserve import LLM
+
+    return LLM(str(path), dtype="float32", block_size=4, **engine)
+
+
+def check_plain(family, **engine) -> None:
+    _, path, _, prompts, ref = family
+    assert_parity(ref, run_engine(_llm(path, **engine), prompts, greedy(prompt_logprobs=3)))
+
+
+def check_chunked_prefill(family, chunk: int = 7, **engine) -> None:
+    _, path, _, prompts, ref = family
+    llm = _llm(path, max_num_batched_tokens=chunk, **engine)
+    assert_parity(ref, run_engine(llm, prompts, greedy(prompt_logprobs=3)))
+
+
+def check_prefix_hits(family, expected=(16, 12, 24), **engine) -> None:
+    """A 24-token prompt is served, then three that share 16, 12 and all 24 of its tokens."""
+    _, path, model, _, _ = family
+    base = make_prompts([24], seed=7)[0]
+    later = [base[:16] + make_prompts([5], seed=8)[0], base[:12] + make_prompts([9], seed=9)[0], base + [7, 8]]
+    ref = hf_reference(model, later, MAX_TOKENS)
+    llm = _llm(path, **engine)
+    run_engine(llm, [base], greedy())
+    outs = run_engine(llm, later, greedy())
+    assert [o.num_cached_tokens for o in outs] == list(expected)
+    assert_parity(ref, outs, prompt_logprobs=False)
+
+
+def check_preemption(family, num_blocks: int = 22, **engine) -> None:
+    _, path, _, prompts, ref = family
+    llm = _llm(path, max_model_len=64, num_gpu_blocks_override=num_blocks, **engine)
+    outs = run_engine(llm, prompts, greedy(prompt_logprobs=3))
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0, "the budget did not force a preemption"
+    assert_parity(ref, outs)

@@ -27,6 +27,10 @@ from tests.models.parity import (
     VOCAB,
     assert_parity,
     build_hf_model,
+    check_chunked_prefill,
+    check_plain,
+    check_preemption,
+    check_prefix_hits,
     hf_reference,
     make_prompts,
     run_engine,
@@ -113,59 +117,32 @@ def params(**kw) -> SamplingParams:
 
 
 def test_plain(family):
-    name, path, _, prompts, ref = family
-    llm = LLM(str(path), dtype="float32", block_size=4)
-    parts = llm.llm_engine.parts
+    check_plain(family)
+
+
+def test_cache_groups_and_indexers(family):
+    name, path, _, _, _ = family
+    parts = LLM(str(path), dtype="float32", block_size=4).llm_engine.parts
     assert parts.backend_names == ["TORCH_MLA_SPARSE"]
     # one group: every layer's latent rows, and indexer keys where an indexer runs (GLM-5's
     # shared layers 1 and 3 keep none)
     layers, indexed = (3, {0, 1, 2}) if name == "v32" else (4, {0, 2})
-    want = [
-        (i, n)
-        for i in range(layers)
-        for n in ("latent", "indexer")
-        if n == "latent" or i in indexed
-    ]
+    want = [(i, n) for i in range(layers) for n in ("latent", "indexer") if n == "latent" or i in indexed]
     assert [(e.layer, e.name) for e in parts.groups[0].entries] == want
     attn = [layer.self_attn for layer in parts.runner.model.layers]
     assert [a.indexer is not None for a in attn] == [i in indexed for i in range(layers)]
-    outs = run_engine(llm, prompts, params(prompt_logprobs=3))
-    assert_parity(ref, outs)
 
 
 def test_chunked_prefill(family):
-    _, path, _, prompts, ref = family
-    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=7)
-    outs = run_engine(llm, prompts, params(prompt_logprobs=3))
-    assert_parity(ref, outs)
+    check_chunked_prefill(family)
 
 
 def test_prefix_cache_hits(family):
-    _, path, model, _, _ = family
-    base = make_prompts([24], seed=7)[0]
-    later = [
-        base[:16] + make_prompts([5], seed=8)[0],
-        base[:12] + make_prompts([9], seed=9)[0],
-        base + [7, 8],
-    ]
-    ref = hf_reference(model, later, MAX_TOKENS)
-    llm = LLM(str(path), dtype="float32", block_size=4)
-    run_engine(llm, [base], params())
-    outs = run_engine(llm, later, params())
-    assert [o.num_cached_tokens for o in outs] == [16, 12, 24]
-    assert_parity(ref, outs, prompt_logprobs=False)
+    check_prefix_hits(family)
 
 
 def test_preemption(family):
-    _, path, _, prompts, ref = family
-    llm = LLM(
-        str(path), dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks_override=22
-    )
-    outs = run_engine(llm, prompts, params(prompt_logprobs=3))
-    assert llm.llm_engine.scheduler.stats.num_preemptions > 0, (
-        "the budget did not force a preemption"
-    )
-    assert_parity(ref, outs)
+    check_preemption(family)
 
 
 # ------------------------------------------------------------------ beyond the four paths

@@ -13,8 +13,11 @@ import pytest
 from attnserve import LLM, SamplingParams
 from tests.models.parity import (
     VOCAB,
-    assert_parity,
     build_hf_model,
+    check_chunked_prefill,
+    check_plain,
+    check_preemption,
+    check_prefix_hits,
     hf_reference,
     make_prompts,
     run_engine,
@@ -55,41 +58,23 @@ def params(**kw) -> SamplingParams:
 
 
 def test_plain(family):
-    _, path, _, prompts, ref = family
-    llm = LLM(str(path), dtype="float32", block_size=4)
-    outs = run_engine(llm, prompts, params(prompt_logprobs=3))
-    assert_parity(ref, outs)
+    check_plain(family)
 
 
 def test_chunked_prefill(family):
-    _, path, _, prompts, ref = family
-    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=7)
-    outs = run_engine(llm, prompts, params(prompt_logprobs=3))
-    assert_parity(ref, outs)
+    check_chunked_prefill(family)
 
 
 def test_prefix_cache_hits(family):
-    _, path, model, _, _ = family
-    base = make_prompts([24], seed=7)[0]
-    first = [base]
-    later = [base[:16] + make_prompts([5], seed=8)[0], base[:12] + make_prompts([9], seed=9)[0], base + [7, 8]]
-    ref = hf_reference(model, later, MAX_TOKENS)
-    llm = LLM(str(path), dtype="float32", block_size=4)
-    run_engine(llm, first, params())
-    outs = run_engine(llm, later, params())
-    assert [o.num_cached_tokens for o in outs] == [16, 12, 24]
-    assert_parity(ref, outs, prompt_logprobs=False)
+    check_prefix_hits(family)
 
 
 def test_preemption(family):
-    name, path, _, prompts, ref = family
     # a sliding window bounds each sequence's blocks, so those families need a smaller pool
-    windowed = "sliding_window" in FAMILIES[name][1]
-    llm = LLM(str(path), dtype="float32", block_size=4, max_model_len=64,
-              num_gpu_blocks_override=8 if windowed else 22, max_num_batched_tokens=8 if windowed else 2048)
-    outs = run_engine(llm, prompts, params(prompt_logprobs=3))
-    assert llm.llm_engine.scheduler.stats.num_preemptions > 0, "the budget did not force a preemption"
-    assert_parity(ref, outs)
+    if "sliding_window" in FAMILIES[family[0]][1]:
+        check_preemption(family, num_blocks=8, max_num_batched_tokens=8)
+    else:
+        check_preemption(family)
 
 
 def test_window_is_exercised():
