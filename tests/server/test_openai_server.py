@@ -232,6 +232,9 @@ def test_metrics_count_requests_and_prefix_hits(client, server):
         "attnserve_num_requests_running",
         "attnserve_num_requests_waiting",
         "attnserve_offload_hits_total",
+        "attnserve_offload_bytes_stored_total",
+        "attnserve_offload_bytes_loaded_total",
+        "attnserve_offload_transfer_seconds_total",
     ):
         assert f"\n{name} " in after
     assert metric_value(after, "attnserve_offload_hits_total") == 0

@@ -47,7 +47,10 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of usable blocks held by requests
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
-    offload_hits: int = 0  # tokens loaded back from the offload tier (0 until offloading exists)
+    offload_hits: int = 0  # tokens loaded back from the offload tier
+    offload_bytes_stored: int = 0  # bytes copied to the offload tier
+    offload_bytes_loaded: int = 0  # bytes copied back from it
+    offload_seconds: float = 0.0  # time spent in those copies
     num_preemptions: int = 0
     num_steps: int = 0
     num_aborted: int = 0  # requests aborted while the engine still held them
@@ -287,13 +290,17 @@ class AsyncLLMEngine:
     def _publish_stats(self) -> None:
         engine = self._engine
         sched = engine.scheduler
+        offload = sched.offload.stats if sched.offload is not None else None
         self._stats = EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             kv_cache_usage=engine.kv_manager.usage,
             prefix_cache_queries=sched.stats.prompt_tokens,
             prefix_cache_hits=sched.stats.prefix_hit_tokens,
-            offload_hits=getattr(sched.stats, "offload_hit_tokens", 0),
+            offload_hits=sched.stats.offload_hit_tokens,
+            offload_bytes_stored=offload.bytes_stored if offload else 0,
+            offload_bytes_loaded=offload.bytes_loaded if offload else 0,
+            offload_seconds=(offload.store_seconds + offload.load_seconds) if offload else 0.0,
             num_preemptions=sched.stats.num_preemptions,
             num_steps=sched.stats.steps,
             num_aborted=self._num_aborted,

@@ -164,6 +164,10 @@ _ENGINE_METRICS = (  # (name, type, help, EngineStats field)
         "Tokens loaded back from the KV offload tier.",
         "offload_hits",
     ),
+    ("offload_bytes_stored_total", "counter", "Bytes copied to the KV offload tier.", "offload_bytes_stored"),
+    ("offload_bytes_loaded_total", "counter", "Bytes copied back from the KV offload tier.", "offload_bytes_loaded"),
+    ("offload_transfer_seconds_total", "counter", "Time spent copying to and from the offload tier.",
+     "offload_seconds"),
     ("num_preemptions_total", "counter", "Requests preempted by recompute.", "num_preemptions"),
     ("engine_steps_total", "counter", "Engine steps run.", "num_steps"),
 )
