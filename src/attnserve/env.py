@@ -1,4 +1,4 @@
-"""The only reader of ``os.environ`` in attnserve: a short, typed list of debug switches.
+"""The only reader (and writer) of ``os.environ`` in attnserve: a short, typed list of debug switches.
 
 Engine knobs live in ``EngineConfig``; these variables exist for debugging and for the
 few fallbacks that a user must be able to force without touching code.
@@ -14,6 +14,7 @@ __all__ = [
     "log_level",
     "force_platform",
     "cpu_threads",
+    "disable_nccl_multicast",
 ]
 
 
@@ -46,3 +47,9 @@ def cpu_threads() -> int | None:
     """``ATTNSERVE_CPU_THREADS``: torch intra-op threads on CPU (default: torch's choice)."""
     value = os.environ.get("ATTNSERVE_CPU_THREADS", "").strip()
     return int(value) if value else None
+
+
+def disable_nccl_multicast() -> None:
+    """Set ``NCCL_NVLS_ENABLE=0`` for this process and the ranks it spawns: NVLink multicast
+    (NVLS) is off on the lent multi-GPU hosts, and NCCL would otherwise try it."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"

@@ -245,6 +245,7 @@ class AsyncLLMEngine:
         for sink in sinks.values():
             sink.put(error)
         self._fail_pending(error)
+        engine.close()  # tensor-parallel workers stop with the engine thread that drove them
 
     def _handle_commands(self, sinks: dict[str, _Sink], timeout: float | None) -> bool:
         """Apply every queued command, first waiting up to ``timeout`` seconds (None: for ever)

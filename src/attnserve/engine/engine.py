@@ -126,6 +126,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (garbage collection also stops them)."""
+        self.runner.shutdown()
+
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()

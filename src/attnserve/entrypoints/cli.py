@@ -64,6 +64,8 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--memory", type=float, default=None, metavar="GiB")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="report one rank's KV bytes, state and sequences (--memory is per rank)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.set_defaults(func=_run_inspect)
@@ -84,7 +86,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
         report = build_report(args.model, platform, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                               attention_backend=args.attention_backend, memory_gib=args.memory,
                               max_model_len=args.max_model_len, block_size=args.block_size,
-                              use_mla=not env.mla_disabled())
+                              use_mla=not env.mla_disabled(),
+                              tensor_parallel_size=args.tensor_parallel_size)
     except BackendSelectionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

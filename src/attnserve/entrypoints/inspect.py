@@ -60,6 +60,7 @@ class InspectReport:
     bytes_per_sequence_no_window: int  # the same with every sliding layer at its full rate
     memory_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    tensor_parallel_size: int = 1  # > 1: every byte figure is one rank's
 
     @property
     def max_tokens(self) -> int | None:
@@ -85,6 +86,7 @@ class InspectReport:
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
             "block_size": self.block_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "platform": self.platform.name,
             "compute_capability": list(self.platform.compute_capability) if self.platform.compute_capability else None,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -117,7 +119,9 @@ class InspectReport:
                  f"mechanism {a.mechanism.value}" + (f" (attention layers: {a.attention_mechanism.value})"
                                                      if a.mechanism.value == "HYBRID" else "")
                  + f" · {a.num_layers} layers · dtype {self.dtype} · kv cache {self.kv_cache_dtype}"
-                 + f" · block size {self.block_size} · platform {self.platform.label}", ""]
+                 + f" · block size {self.block_size} · platform {self.platform.label}"
+                 + (f" · tensor parallel {self.tensor_parallel_size} (per-rank figures)"
+                    if self.tensor_parallel_size > 1 else ""), ""]
         header = ("kind", "layers", "B/token/layer", "state B/seq/layer", "window", "backend")
         table = [header] + [
             (r.kind, str(r.num_layers), _components(r), _num(r.state_bytes_per_sequence_per_layer) or "-",
@@ -199,14 +203,22 @@ def _select(spec: LayerSpec, dtype: str, kv_dtype: str, cache: CacheConfig, plat
 
 def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
                  attention_backend: str | None = None, memory_gib: float | None = None,
-                 max_model_len: int | None = None, block_size: int = 16, use_mla: bool = True) -> InspectReport:
-    """Raises BackendSelectionError when ``attention_backend`` does not fit, with every reason."""
+                 max_model_len: int | None = None, block_size: int = 16, use_mla: bool = True,
+                 tensor_parallel_size: int = 1) -> InspectReport:
+    """Raises BackendSelectionError when ``attention_backend`` does not fit, with every reason,
+    and ValueError when the heads do not split over ``tensor_parallel_size`` ranks (whose
+    per-rank KV bytes, state and sequences the report then gives)."""
     path = resolve_config_path(model)
     arch = ModelArch.from_hf(load_hf_config(path), use_mla=use_mla)
+    rank_arch = arch
+    if tensor_parallel_size > 1:
+        from attnserve.runner.parallel import shard_arch  # the engine's split (imports torch)
+
+        rank_arch = shard_arch(arch, tensor_parallel_size)
     model_dtype = arch.dtype if dtype == "auto" else dtype
     cache = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     kv_dtype = resolve_cache_dtype(kv_cache_dtype, model_dtype)
-    entries = cache_entries(arch, cache, model_dtype)
+    entries = cache_entries(rank_arch, cache, model_dtype)
     groups = group_entries(entries)
     layout = plan_layout(entries)
     max_len = max_model_len or arch.max_position_embeddings or 2048
@@ -215,7 +227,7 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
     keyed: dict[tuple, list[int]] = {}
     meta: dict[tuple, tuple] = {}
     errors: list[str] = []
-    for spec in arch.layers:
+    for spec in rank_arch.layers:
         own = layer_specs(spec, model_dtype, cache)
         comps = tuple((name, s.bytes_per_token) for name, s in own if s.bytes_per_token)
         state = sum(s.bytes_per_sequence for _, s in own)
@@ -253,7 +265,8 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
         bytes_per_sequence=_sequence_bytes(entries, max_len),
         bytes_per_sequence_no_window=_full_rate_bytes(layout, max_len) + sum(
             g.bytes_per_sequence_state for g in groups),
-        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes)
+        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes,
+        tensor_parallel_size=tensor_parallel_size)
 
 
 def _sequence_bytes(entries, num_tokens: int) -> int:

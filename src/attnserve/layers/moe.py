@@ -14,7 +14,8 @@ What this file is:
   Qwen3-MoE, GPT-OSS) and ``DeepseekMoE`` (fp32 router with an optional correction bias,
   routed experts and shared experts: DeepSeek V2/V3, GLM-4.5, Kimi).
 
-What it is not: no expert parallelism, no fused Triton/CUDA MoE kernel, no quantised expert
+What it is not: no expert parallelism (tensor parallelism splits the experts over the ranks:
+``runner/parallel.py``), no fused Triton/CUDA MoE kernel, no quantised expert
 compute (FP8 block scales, MXFP4: ``models/gpt_oss.py`` dequantises MXFP4 when loading), no
 load-balancing losses, no Qwen2-MoE sigmoid-gated shared expert.
 """
@@ -22,6 +23,7 @@ load-balancing losses, no Qwen2-MoE sigmoid-gated shared expert.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -168,6 +170,10 @@ class FusedExperts(nn.Module):
         self.act = get_act_fn(act)
         self.swiglu_limit = swiglu_limit
         self.swiglu_alpha = 1.702 if swiglu_alpha is None else swiglu_alpha
+        # tensor parallelism (runner/parallel.py): this rank holds experts [first_expert,
+        # first_expert + num_experts) and sums the ranks' partial outputs with ``all_reduce``
+        self.first_expert = 0
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
         clamp = f", swiglu_limit={self.swiglu_limit}" if self.swiglu_limit is not None else ""
@@ -182,10 +188,14 @@ class FusedExperts(nn.Module):
     ) -> torch.Tensor:
         """x [T, H], topk_weights [T, k], topk_ids [T, k] -> sum_j w_j * expert_j(x), [T, H]."""
         t, k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)  # [T*k]
-        order = torch.argsort(flat_ids, stable=True)  # token-expert pairs grouped by expert
-        token = order // k  # [T*k] the token of each sorted pair
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        flat_ids = topk_ids.reshape(-1) - self.first_expert  # [T*k] local expert ids
+        if self.all_reduce is None:
+            order = torch.argsort(flat_ids, stable=True)  # token-expert pairs grouped by expert
+        else:  # tensor parallel: only the pairs routed to this rank's experts
+            mine = ((flat_ids >= 0) & (flat_ids < self.num_experts)).nonzero().squeeze(1)
+            order = mine[torch.argsort(flat_ids[mine], stable=True)]
+        token = order // k  # [P] the token of each sorted pair
+        counts = torch.bincount(flat_ids[order], minlength=self.num_experts).tolist()
         rows = x.index_select(0, token)  # [T*k, H]
         out = torch.empty_like(rows)
         start = 0
@@ -196,6 +206,8 @@ class FusedExperts(nn.Module):
         weights = topk_weights.reshape(-1).index_select(0, order).float()  # [T*k]
         acc = torch.zeros(t, self.hidden, dtype=torch.float32, device=x.device)
         acc.index_add_(0, token, out.float() * weights[:, None])
+        if self.all_reduce is not None:
+            acc = self.all_reduce(acc)
         return acc.to(x.dtype)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:

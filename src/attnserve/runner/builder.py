@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,16 @@ from attnserve.platforms import Platform, current_platform, get_platform
 from attnserve.runner.kv_cache import allocate_kv_cache, allocate_state_cache, determine_num_blocks
 from attnserve.runner.model_runner import ModelRunner
 from attnserve.runner.offload_io import OffloadIO
+from attnserve.runner.parallel import (
+    ParallelState,
+    check_supported,
+    min_over_ranks,
+    shard_arch,
+    shard_model,
+)
+
+if TYPE_CHECKING:
+    from attnserve.runner.worker import WorkerGroup
 
 __all__ = ["EngineParts", "build_engine_parts", "resolve_model_dir"]
 
@@ -120,11 +131,44 @@ def _select_backends(arch: ModelArch, groups: list[KVCacheGroup], dtype: str, co
     return names
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
-    from attnserve.tokenizer import load_tokenizer
+def _start_parallel(config: EngineConfig, arch: ModelArch, parallel: ParallelState | None
+                    ) -> tuple[ParallelState | None, WorkerGroup | None]:
+    """This process's rank and, on rank 0, the workers it started; (None, None) for one rank."""
+    if config.parallel.tensor_parallel_size == 1:
+        return None, None
+    if parallel is not None:  # a worker: rank 0 started it
+        return parallel, None
+    if config.offload.kv_offloading_size is not None:
+        raise ValueError("KV offloading is not supported with tensor_parallel_size > 1 yet")
+    check_supported(arch, get_model_class(arch), config.parallel.tensor_parallel_size)
+    from attnserve.runner.worker import WorkerGroup
 
+    workers = WorkerGroup.start(config)
+    return workers.parallel, workers
+
+
+def build_engine_parts(config: EngineConfig, parallel: ParallelState | None = None) -> EngineParts:
+    """Everything an engine (or a tensor-parallel rank) runs with.
+
+    Args:
+        parallel: a tensor-parallel worker's rank (``runner/worker.py``); None on rank 0, which
+            starts the other ranks itself when ``tensor_parallel_size`` > 1.
+    """
     model_dir = resolve_model_dir(config.model.model)
     arch = ModelArch.from_hf(load_hf_config(model_dir), use_mla=not env.mla_disabled())
+    parallel, workers = _start_parallel(config, arch, parallel)
+    try:
+        return _build_parts(config, model_dir, arch, parallel, workers)
+    except BaseException:
+        if workers is not None:  # do not leave the other ranks waiting in a collective
+            workers.abort()
+        raise
+
+
+def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, parallel: ParallelState | None,
+                 workers: WorkerGroup | None) -> EngineParts:
+    from attnserve.tokenizer import load_tokenizer
+
     device, platform = _device_and_platform(config)
     dtype = arch.dtype if config.model.dtype == "auto" else config.model.dtype
     max_len = config.model.max_model_len or arch.max_position_embeddings or 2048
@@ -133,7 +177,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        max_len, arch.max_position_embeddings)
     tokenizer = load_tokenizer(model_dir)
 
-    entries = cache_entries(arch, config.cache, dtype)
+    # each rank caches its own heads (tensor parallelism); the pool has as many blocks on every rank
+    rank_arch = shard_arch(arch, config.parallel.tensor_parallel_size)
+    entries = cache_entries(rank_arch, config.cache, dtype)
     layout = plan_layout(entries)  # the paged groups; state layers get slots instead
     groups = list(layout.groups)
     state_groups = [KVCacheGroup(len(groups) + i, g.policy, g.window, g.entries)
@@ -142,6 +188,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
 
     model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[dtype])
+    if parallel is not None:  # every rank loaded the whole checkpoint: keep this rank's shard
+        shard_model(model, parallel)
     # sized once the weights are in memory, from what is left
     needed = (config.scheduler.max_num_seqs * layout.blocks_for(max_len) + 1) * layout.bytes_per_block
     state_pool, state_bytes = None, 0
@@ -150,6 +198,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         state_pool = StatePool(config.scheduler.max_num_seqs, snapshots)
         state_bytes = state_pool.num_slots * sum(g.bytes_per_sequence_state for g in state_groups)
     num_blocks = determine_num_blocks(layout, config.cache, device, needed, state_bytes)
+    if parallel is not None:
+        num_blocks = min_over_ranks(num_blocks)
     kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching, state_pool)
     one_seq = kv.num_blocks_for_tokens(max_len)
     if one_seq > num_blocks - 1:
@@ -162,8 +212,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         if state_pool is not None else []
     offload, offload_io = _build_offload(config, groups, caches, state_caches, device)
     runner = ModelRunner(model, arch, groups, backends, device, max_model_len=max_len,
-                         max_num_seqs=config.scheduler.max_num_seqs, cuda_graphs=not config.model.enforce_eager,
-                         state_caches=state_caches, offload=offload, offload_io=offload_io)
+                         max_num_seqs=config.scheduler.max_num_seqs,
+                         cuda_graphs=not config.model.enforce_eager and parallel is None,
+                         state_caches=state_caches, offload=offload, offload_io=offload_io,
+                         workers=workers)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
                        dtype=dtype, platform=platform, groups=groups, backend_names=backend_names,
                        num_blocks=num_blocks, kv_manager=kv, runner=runner)

@@ -9,6 +9,7 @@ context, and samples from the logits of the rows that need a token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from attnserve.kvcache.groups import KVCacheGroup
 from attnserve.layers.rotary import RotaryEmbedding
 from attnserve.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from attnserve.runner.forward_context import ForwardContext, forward_context
+
+if TYPE_CHECKING:
+    from attnserve.runner.worker import WorkerGroup
 
 __all__ = ["ModelRunner", "RunnerOutput", "TokenLogprobs"]
 
@@ -38,8 +42,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArch, groups: list[KVCacheGroup],
                  backends: list[AttentionBackend], device: torch.device, *, max_model_len: int,
                  max_num_seqs: int, cuda_graphs: bool = False, state_caches: list | None = None,
-                 offload=None, offload_io=None):
+                 offload=None, offload_io=None, workers: WorkerGroup | None = None):
         self.model = model
+        self.workers = workers  # tensor parallel (rank 0): each step's inputs go to the other ranks
         self.state_caches = state_caches or []
         self.offload, self.offload_io = offload, offload_io
         self.arch = arch
@@ -121,6 +126,17 @@ class ModelRunner:
         if output.offload is not None:  # then tier stores (read) and loads (write)
             self.offload_io.run(self.offload, *output.offload)
         input_ids, ctx = self._prepare(scheduled)
+        qsl = ctx.common.query_start_loc_cpu
+        sample_reqs = [s.request for s in scheduled if s.samples]
+        rows = [qsl[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]  # rows needing logits
+        prompt_spans = []
+        for i, s in enumerate(scheduled):
+            span = self._prompt_span(s) if s.request.wants_prompt_logprobs else None
+            if span is not None:
+                prompt_spans.append((s, *span))
+                rows.extend(range(qsl[i] + span[0] - s.start, qsl[i] + span[1] - s.start))
+        if self.workers is not None:  # the other ranks run the same forward and output head
+            self.workers.broadcast_step(input_ids, ctx, output.state_copies, rows)
         if self.graphs is not None and ctx.common.num_decodes == len(scheduled) \
                 and self.graphs.bucket_for(len(scheduled)) is not None:
             hidden = self.graphs.run(input_ids, ctx)
@@ -128,18 +144,21 @@ class ModelRunner:
             with forward_context(ctx):
                 hidden = self.model(input_ids, ctx.common.positions)
         result = RunnerOutput()
-        qsl = ctx.common.query_start_loc_cpu
-        sample_rows, sample_reqs = [], []
-        for i, s in enumerate(scheduled):
-            if s.samples:
-                sample_rows.append(qsl[i + 1] - 1)
-                sample_reqs.append(s.request)
+        if not rows:
+            return result
+        logits = self.model.compute_logits(hidden[rows])  # [len(rows), V]
         if sample_reqs:
-            self._sample(hidden, sample_rows, sample_reqs, result)
-        for i, s in enumerate(scheduled):
-            if s.request.wants_prompt_logprobs:
-                self._prompt_logprobs(hidden, qsl[i], s, result)
+            self._sample(logits[: len(sample_reqs)], sample_reqs, result)
+        offset = len(sample_reqs)
+        for s, first, last in prompt_spans:
+            self._prompt_logprobs(logits[offset: offset + last - first], s, first, last, result)
+            offset += last - first
         return result
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any); the runner is unusable afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def _copy_states(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Snapshot saves and prefix-hit restores, in order (a restore may read a fresh save)."""
@@ -148,8 +167,7 @@ class ModelRunner:
                 for t in cache.tensors():
                     t[dst].copy_(t[src])
 
-    def _sample(self, hidden: torch.Tensor, rows: list[int], reqs: list, result: RunnerOutput) -> None:
-        logits = self.model.compute_logits(hidden[rows])
+    def _sample(self, logits: torch.Tensor, reqs: list, result: RunnerOutput) -> None:
         params = [r.sampling_params for r in reqs]
         banned = []
         for r in reqs:
@@ -172,14 +190,18 @@ class ModelRunner:
                 result.logprobs[r.request_id] = (lp.token_ids[j, : k + 1].tolist(),
                                                  lp.logprobs[j, : k + 1].tolist(), int(lp.ranks[j]))
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, row0: int, s: ScheduledRequest, result: RunnerOutput) -> None:
+    @staticmethod
+    def _prompt_span(s: ScheduledRequest) -> tuple[int, int] | None:
+        """Positions [first, last) of this step whose logits give prompt logprobs, or None."""
         req = s.request
         first = max(s.start, req.num_prompt_logprobs_done)  # position p predicts prompt token p + 1
         last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
-        if last <= first:
-            return
-        rows = hidden[row0 + first - s.start: row0 + last - s.start]
-        logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+        return (first, last) if last > first else None
+
+    def _prompt_logprobs(self, logits: torch.Tensor, s: ScheduledRequest, first: int, last: int,
+                         result: RunnerOutput) -> None:
+        req = s.request
+        logprobs = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(req.prompt_token_ids[first + 1: last + 1], device=logprobs.device)
         k = req.sampling_params.prompt_logprobs
         lp = gather_logprobs(logprobs, targets, k)
