@@ -15,7 +15,7 @@ Also: the sharding happened (rank 0 holds half the heads, experts and vocabulary
 vocabulary pads the second slice), workers exit on ``close()``, on garbage collection and when
 rank 0 alone fails while building, refusals before any process starts, which KV heads each rank
 keeps, per-rank ``inspect`` arithmetic, and the torchrun recipe of ``docs/tensor_parallel.md``
-(two simulated hosts on loopback) against a one-rank run. The whole file takes about 30 s.
+(two simulated hosts of two ranks each on loopback) against a one-rank run. The whole file takes about 30 s.
 """
 
 from __future__ import annotations
@@ -291,7 +291,8 @@ def _free_port() -> int:
 
 
 def test_torchrun_two_hosts_on_loopback(tmp_path, capsys):
-    """``docs/tensor_parallel.md``: torchrun --nnodes 2 --nproc-per-node 1, once per host."""
+    """``docs/tensor_parallel.md``: torchrun --nnodes 2 --nproc-per-node 2, once per simulated
+    host: four ranks (tiny-llama's 8 query / 4 KV heads split four ways) equal one rank."""
     model = tmp_path / "tiny"
     model.mkdir()
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -304,8 +305,8 @@ def test_torchrun_two_hosts_on_loopback(tmp_path, capsys):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
-    torchrun += f"--nproc-per-node 1 --master-addr 127.0.0.1 --master-port {port}".split()
-    worker = ["-m", "attnserve.runner.worker", *args, "--tensor-parallel-size", "2"]
+    torchrun += f"--nproc-per-node 2 --master-addr 127.0.0.1 --master-port {port}".split()
+    worker = ["-m", "attnserve.runner.worker", *args, "--tensor-parallel-size", "4"]
     hosts = [
         subprocess.Popen(
             [*torchrun, "--node-rank", str(node), *worker],
