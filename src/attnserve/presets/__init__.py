@@ -13,7 +13,7 @@ __all__ = ["DEFAULT_MODEL", "HF_CONFIG_DIR", "MODEL_DIR", "model_names", "preset
 
 HF_CONFIG_DIR = Path(__file__).parent / "hf_configs"
 MODEL_DIR = Path(__file__).parent / "models"
-DEFAULT_MODEL = "attnserve-tiny-llama"
+DEFAULT_MODEL = "attnserve-demo-gqa"
 
 
 def resolve_model_preset(name: str) -> Path | None:
