@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.models.parity import VOCAB, make_prompts  # noqa: E402
+from tests.models.test_parity_dsa import FAMILIES as DSA_FAMILIES  # noqa: E402
+from tests.models.test_parity_hybrid import HYBRID as HYBRID_FAMILIES  # noqa: E402
 
 DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -62,6 +64,9 @@ FAMILIES = {
                                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                                         first_k_dense_replace=1, q_lora_rank=32, n_group=2, topk_group=1)),
 }
+# the sparse-MLA (DSA) and hybrid families of their CPU parity tests
+FAMILIES.update({f"dsa_{k}": v for k, v in DSA_FAMILIES.items()})
+FAMILIES["qwen3_next"] = HYBRID_FAMILIES["qwen3_next"]
 LENGTHS = [5, 12, 19, 27, 40, 64]
 MODES = (("graphs", {}), ("eager", {"enforce_eager": True}),
          ("chunked", {"max_num_batched_tokens": 16, "enforce_eager": True}))

@@ -153,3 +153,26 @@ def test_random_churn_keeps_integrity():
 def test_cache_config_rejects_bad_block_sizes():
     with pytest.raises(ValueError, match="power of two"):
         CacheConfig(block_size=12)
+
+
+def test_huge_pool_is_built_lazily_and_hands_out_fresh_blocks_first():
+    """A tiny model on a large GPU has millions of blocks: the pool must not build them up front,
+    and never-used blocks come before freed ones (whose cached content is kept longer)."""
+    import time
+
+    start = time.perf_counter()
+    pool = BlockPool(50_000_000)
+    assert time.perf_counter() - start < 0.5
+    assert pool.num_free_blocks == 50_000_000 - 1
+    a = pool.get_new_blocks(3)
+    assert [b.block_id for b in a] == [1, 2, 3]
+    pool.cache_block(a[0], 111, 0)
+    pool.free_blocks(reversed(a))
+    assert pool.num_free_blocks == 50_000_000 - 1
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [4, 5]  # fresh before freed
+    assert pool.get_cached_block(111, 0) is a[0]
+    pool.check_integrity()
+    small = BlockPool(4)
+    got = small.get_new_blocks(3)
+    small.free_blocks([got[1], got[0], got[2]])
+    assert [b.block_id for b in small.get_new_blocks(3)] == [2, 1, 3]  # then LRU order of freeing

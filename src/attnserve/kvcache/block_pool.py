@@ -37,15 +37,11 @@ class KVCacheBlock:
 class _FreeQueue:
     """Doubly linked list of free blocks: pop from the front (LRU), remove from the middle in O(1)."""
 
-    def __init__(self, blocks: list[KVCacheBlock]):
-        self.num_free = len(blocks)
+    def __init__(self):
+        self.num_free = 0
         self.head = KVCacheBlock(-1)
         self.tail = KVCacheBlock(-1)
-        prev = self.head
-        for b in blocks:
-            prev.next_free, b.prev_free = b, prev
-            prev = b
-        prev.next_free, self.tail.prev_free = self.tail, prev
+        self.head.next_free, self.tail.prev_free = self.tail, self.head
 
     def popleft(self) -> KVCacheBlock:
         block = self.head.next_free
@@ -79,8 +75,11 @@ class BlockPool:
             raise ValueError(f"the block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = _FreeQueue(self.blocks[1:])
+        # Blocks are made on first use: a small model on a large GPU has millions of blocks, and
+        # building them all up front took seconds. Never-used blocks sit, in id order, before every
+        # freed block in the LRU order, so they are handed out first, as a full queue would.
+        self.blocks = [KVCacheBlock(0)]
+        self.free_queue = _FreeQueue()
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # never freed
         self.cached: dict[tuple[BlockHash, int], KVCacheBlock] = {}
@@ -89,7 +88,7 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.num_blocks - len(self.blocks)
 
     @property
     def usage(self) -> float:
@@ -107,7 +106,11 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
+            if len(self.blocks) < self.num_blocks:  # a never-used block
+                block = KVCacheBlock(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                block = self.free_queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -168,6 +171,7 @@ class BlockPool:
         free = list(self.free_queue)
         free_ids = [b.block_id for b in free]
         assert len(free_ids) == len(set(free_ids)) == self.free_queue.num_free, "free queue corrupt"
+        assert all(b.block_id == i for i, b in enumerate(self.blocks)), "blocks out of id order"
         assert 0 not in free_ids, "the null block is in the free queue"
         for b in self.blocks[1:]:
             in_free = b.prev_free is not None
