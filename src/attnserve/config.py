@@ -98,12 +98,23 @@ class OffloadConfig:
     kv_offloading_size: float | None = None  # GiB
     kv_offloading_backend: str = "host"  # host | disk
     kv_offloading_dir: str | None = None
+    # sparse MLA (DSA) only: latent rows live in host memory, indexer keys on the device; the
+    # host store holds as many blocks as the device budget gives, capped at this many GiB
+    # (default: half the host memory available)
+    kv_offload_sparse_latents: bool = False
+    kv_offload_sparse_latents_size: float | None = None  # GiB
 
     def __post_init__(self) -> None:
         if self.kv_offloading_backend not in ("host", "disk"):
             raise ValueError(f"kv_offloading_backend must be host or disk, got '{self.kv_offloading_backend}'")
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError("kv_offloading_size must be positive GiB")
+        if self.kv_offload_sparse_latents_size is not None:
+            if not self.kv_offload_sparse_latents:
+                raise ValueError("kv_offload_sparse_latents_size sizes the host store of "
+                                 "kv_offload_sparse_latents: set that too")
+            if self.kv_offload_sparse_latents_size <= 0:
+                raise ValueError("kv_offload_sparse_latents_size must be positive GiB")
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,14 @@ def test_json_hybrid_and_windows(capsys):
     assert oss["kv_bytes_per_token"] == 24 * 2 * 8 * 64 * 2
 
 
+def test_offload_column_covers_sliding_windows(capsys):
+    oss = run_json(capsys, "openai/gpt-oss-20b", "--platform", "cpu")
+    offload = {g["window"]: g["offload"] for g in oss["layer_groups"]}
+    assert offload[None] == "prefix blocks"
+    assert offload[128].startswith("prefix blocks") and "window" in offload[128]
+    assert not any("not yet" in o for o in offload.values())
+
+
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm"])
 @pytest.mark.parametrize("name", preset_names())
 def test_every_shipped_config_on_every_platform(capsys, name, platform):

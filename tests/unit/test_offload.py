@@ -1,7 +1,7 @@
-"""KV cache offloading: tiers, bit-exact round trips for standard, MLA, DSA and hybrid models
-(whose state snapshots travel with the blocks), churn
-without leaks, and bad states (corrupt or missing disk files, a full tier) that degrade to
-recomputation."""
+"""KV cache offloading: tiers, bit-exact round trips for standard, MLA, DSA, hybrid models
+(whose state snapshots travel with the blocks) and sliding-window models (only the window's
+blocks come back), churn without leaks, blobs held while a load copies them, and bad states
+(corrupt or missing disk files, a full tier) that degrade to recomputation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams
-from attnserve.kvcache.offload import DiskTier, HostTier
+from attnserve.kvcache.groups import CacheEntry, KVCacheGroup
+from attnserve.kvcache.offload import DiskTier, HostTier, OffloadManager
+from attnserve.kvcache.spec import FullAttentionSpec
+from attnserve.runner.offload_io import OffloadIO
 from tests.models.parity import VOCAB, build_hf_model, make_prompts, run_engine
 
 LLAMA = ("llama", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -26,8 +29,14 @@ QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_h
                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                   layer_types=["linear_attention"] * 3 + ["full_attention"])
+# layers alternate sliding (window 8 = two blocks of 4) and full attention
+GEMMA2 = ("gemma2", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         sliding_window=8))
 MODELS = {
     "llama": LLAMA,
+    "gemma2": GEMMA2,
+    "mistral_window": ("mistral", dict(LLAMA[1], sliding_window=8)),  # every layer sliding
     "qwen3_next": ("qwen3_next", QWEN3_NEXT),
     "deepseek_v3": ("deepseek_v3", MLA),
     "deepseek_v32": ("deepseek_v32", dict(MLA, index_topk=6, index_n_heads=16, index_head_dim=16)),
@@ -108,16 +117,18 @@ def test_tier_hit_is_bit_exact_and_matches_a_device_hit(model_dir, tmp_path):
     assert scratch[0].outputs[0].token_ids == ref_device[0].outputs[0].token_ids
 
 
-def test_churn_with_aborts_stays_consistent(tmp_path):
-    path = tmp_path / "llama"
-    build_hf_model(*LLAMA, path)
+@pytest.mark.parametrize("name,backend", [("llama", "disk"), ("gemma2", "host"), ("gemma2", "disk")])
+def test_churn_with_aborts_stays_consistent(tmp_path, name, backend):
+    path = tmp_path / name
+    build_hf_model(*MODELS[name], path)
     rng = random.Random(0)
     bases = make_prompts([16, 20, 24], seed=3)
     prompts = [rng.choice(bases) + make_prompts([rng.randrange(1, 8)], seed=i)[0] for i in range(24)]
     kw = dict(dtype="float32", block_size=4, max_model_len=64)
     reference = {i: o for i, o in enumerate(run_engine(LLM(str(path), **kw), prompts, greedy()))}
-    llm = LLM(str(path), **kw, num_gpu_blocks_override=24, kv_offloading_size=0.002,
-              kv_offloading_backend="disk", kv_offloading_dir=str(tmp_path / "tier"))
+    # a tier of ~50-100 blocks: it evicts too
+    llm = LLM(str(path), **kw, num_gpu_blocks_override=24, kv_offloading_size=1e-4,
+              kv_offloading_backend=backend, kv_offloading_dir=str(tmp_path / "tier"))
     engine = llm.llm_engine
     ids = {engine.add_request(f"r{i}", {"prompt_token_ids": p}, greedy()): i for i, p in enumerate(prompts)}
     aborted, done = set(), {}
@@ -133,6 +144,8 @@ def test_churn_with_aborts_stays_consistent(tmp_path):
     pool = engine.kv_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
     assert engine.scheduler.stats.offload_hit_tokens > 0
+    tier = engine.runner.offload.tier
+    assert tier.evictions > 0 and not tier.held and not tier.reserved, "the tier leaked holds or reservations"
     for i, out in done.items():
         assert out.outputs[0].token_ids == reference[i].outputs[0].token_ids, f"request {i} changed"
     assert set(done) | aborted == set(range(len(prompts)))
@@ -167,3 +180,158 @@ def test_offloading_needs_prefix_caching_and_a_dir(tmp_path):
         LLM(str(path), kv_offloading_size=0.01, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_dir"):
         LLM(str(path), kv_offloading_size=0.01, kv_offloading_backend="disk")
+
+
+# --- sliding windows ---------------------------------------------------------------------------
+
+
+def sliding_group(llm) -> int:
+    (g,) = [g for g, c in enumerate(llm.llm_engine.runner.offload.window_blocks) if c is not None]
+    return g
+
+
+def test_sliding_window_hit_loads_only_the_window_and_matches_recompute(tmp_path):
+    path = tmp_path / "gemma2"
+    build_hf_model(*GEMMA2, path)
+    prefix = make_prompts([36], seed=5)[0]
+    later = [prefix + [7, 8, 9]]
+    kw = dict(dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks_override=40)
+    device = LLM(str(path), **kw)
+    run_engine(device, [prefix], greedy())
+    ref_device = run_engine(device, later, greedy())
+    assert ref_device[0].num_cached_tokens == 36
+    # recomputation in the same chunks (the 36 prefix tokens, then the rest) is bit for bit the same
+    recompute = run_engine(LLM(str(path), **kw, enable_prefix_caching=False, max_num_batched_tokens=36),
+                           later, greedy())
+    assert outputs(recompute) == outputs(ref_device)
+    for backend in ("host", "disk"):
+        llm = LLM(str(path), **kw, kv_offloading_size=0.01, kv_offloading_backend=backend,
+                  kv_offloading_dir=str(tmp_path / backend))
+        run_engine(llm, [prefix], greedy())
+        evict_device_cache(llm)
+        offload, io = llm.llm_engine.runner.offload, llm.llm_engine.runner.offload_io
+        sliding = sliding_group(llm)
+        assert offload.window_blocks[sliding] == 2  # window 8, blocks of 4: the next token reaches 7 back
+        before = offload.stats.bytes_loaded
+        out = run_engine(llm, later, greedy())
+        assert llm.llm_engine.scheduler.stats.offload_hit_tokens == 36, f"{backend}: not a tier hit"
+        # nine blocks of the full group, only the last two of the sliding one
+        expected = 9 * io.block_bytes(1 - sliding) + 2 * io.block_bytes(sliding)
+        assert offload.stats.bytes_loaded - before == expected, f"{backend}: loaded more than the window"
+        assert outputs(out) == outputs(recompute), f"{backend}: a tier hit differs from recomputation"
+        assert not offload.tier.held and not offload.tier.reserved
+
+
+def test_loading_less_than_the_window_changes_the_answer(tmp_path):
+    """The check above can fail: load one block fewer than the window needs and the output moves."""
+    path = tmp_path / "gemma2"
+    build_hf_model(*GEMMA2, path)
+    prefix = make_prompts([36], seed=5)[0]
+    kw = dict(dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks_override=40)
+    ref = run_engine(LLM(str(path), **kw, enable_prefix_caching=False, max_num_batched_tokens=36),
+                     [prefix + [7, 8, 9]], greedy())
+    llm = LLM(str(path), **kw, kv_offloading_size=0.01)
+    run_engine(llm, [prefix], greedy())
+    evict_device_cache(llm)
+    llm.llm_engine.runner.offload.window_blocks[sliding_group(llm)] = 1
+    out = run_engine(llm, [prefix + [7, 8, 9]], greedy())
+    assert llm.llm_engine.scheduler.stats.offload_hit_tokens == 36
+    assert outputs(out) != outputs(ref)
+
+
+def test_lookup_needs_only_the_blocks_a_window_reaches():
+    hashes = [f"h{i}" for i in range(10)]
+
+    def manager(full: list[int], sliding: list[int]) -> OffloadManager:
+        tier = HostTier(capacity=32, blob_bytes=1)
+        for k in full:
+            tier.put((hashes[k], 0), torch.tensor([k], dtype=torch.uint8))
+        for k in sliding:
+            tier.put((hashes[k], 1), torch.tensor([100 + k], dtype=torch.uint8))
+        return OffloadManager(tier, 2, block_size=4, has_state=False, windows=[None, 8])  # 2 blocks
+
+    everything = list(range(10))
+    hit = manager(everything, [0, 1, 2, 3, 5, 8, 9]).lookup(hashes, 0, 10)
+    assert hit.num_blocks == 10 and hit.num_null_blocks(0) == 0 and hit.num_null_blocks(1) == 8
+    assert [b[1] for b in hit.blobs[8:]] == [torch.tensor([108]), torch.tensor([109])]
+    assert manager(everything, [0, 1, 2, 3, 5, 7, 8]).lookup(hashes, 0, 10).num_blocks == 9
+    assert manager(everything, [0, 1, 2, 3, 5, 7]).lookup(hashes, 0, 10).num_blocks == 4  # 4 is missing
+    assert manager(everything[:6], everything).lookup(hashes, 0, 10).num_blocks == 6  # full: every block
+    assert manager(everything, [0, 2]).lookup(hashes, 0, 10).num_blocks == 1  # short: from the first block
+    assert manager(everything, [5]).lookup(hashes, 5, 1).num_blocks == 1  # block 4 is a device hit
+
+
+def test_a_blob_being_loaded_is_not_evicted_by_a_store():
+    """Two-phase safety: blobs a load copies are held; a store in the same step that needs room
+    must not evict (and overwrite) them, even with no other slot free."""
+    spec = FullAttentionSpec(block_size=4, dtype="float32", num_kv_heads=1, head_size=2, head_size_v=2)
+    group = KVCacheGroup(0, "full", None, (CacheEntry(0, "kv", spec),))
+    k, v = torch.randn(8, 4, 1, 2), torch.randn(8, 4, 1, 2)
+    io = OffloadIO([group], {(0, "kv"): (k, v)}, [])
+    tier = HostTier(capacity=3, blob_bytes=io.block_bytes(0))
+    manager = OffloadManager(tier, 1, block_size=4, has_state=False)
+    manager.prepare_store("a", ["a0", "a1"], [[1, 2]], num_computed_tokens=8)
+    io.run(manager, *manager.take_jobs())
+    hit = manager.lookup(["a0", "a1"], 0, 2)
+    assert hit.num_blocks == 2
+    manager.prepare_store("b", ["b0", "b1"], [[3, 4]], num_computed_tokens=8)  # needs two slots, one is free
+    manager.prepare_load("c", hit, [[5, 6]], 0, 0)
+    io.run(manager, *manager.take_jobs())
+    assert torch.equal(k[5:7], k[1:3]) and torch.equal(v[5:7], v[1:3])
+    assert ("a0", 0) in tier and ("a1", 0) in tier and ("b0", 0) in tier and ("b1", 0) not in tier
+    assert not tier.held and not tier.reserved
+    assert manager.stats.bytes_loaded == 2 * io.block_bytes(0) == 2 * 2 * 4 * 2 * 4
+
+
+# --- copies on a side stream (CUDA) --------------------------------------------------------------
+
+
+def test_written_blocks_and_the_fence_rule():
+    """The forward waits for copies in flight only when it reads a load, or writes what a store
+    (of blocks, or of state snapshots) still reads."""
+    from types import SimpleNamespace
+
+    from attnserve.kvcache.offload.manager import LoadJob
+    from attnserve.runner.offload_io import _Transfer, written_blocks
+
+    scheduled = [SimpleNamespace(start=5, num_new_tokens=6, block_ids=[[11, 12, 13, 14], [21, 22, 23, 24]]),
+                 SimpleNamespace(start=8, num_new_tokens=1, block_ids=[[31, 32, 33], [41, 42, 43]])]
+    assert written_blocks(scheduled, 4) == {(0, 12), (0, 13), (1, 22), (1, 23), (0, 33), (1, 43)}
+    io = OffloadIO([], {}, [])
+    first, second = _Transfer(reads={(0, 5)}), _Transfer(reads={(0, 7)})
+    io._inflight.extend([first, second])
+    assert io._fence({(0, 5), (1, 7)}) is first and io._fence({(0, 7)}) is second and io._fence({(0, 9)}) is None
+    io._inflight.append(_Transfer(reads_state=True))
+    assert io._fence(set()) is io._inflight[-1]
+    io._inflight.append(_Transfer(loads=[LoadJob("r")]))
+    assert io._fence(set()) is io._inflight[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_store_survives_an_overwrite_that_follows_it():
+    """A store in flight on the side stream, then the compute stream overwrites its blocks (a
+    forward writing reallocated blocks): the fence makes the overwrite wait, so the tier keeps the
+    old bytes; loaded back into other blocks they match bit for bit."""
+    dev = torch.device("cuda")
+    n, layers = 128, 8
+    spec = FullAttentionSpec(block_size=16, dtype="bfloat16", num_kv_heads=8, head_size=128, head_size_v=128)
+    group = KVCacheGroup(0, "full", None, tuple(CacheEntry(i, "kv", spec) for i in range(layers)))
+    caches = {(i, "kv"): (torch.randn(2 * n + 1, 16, 8, 128, dtype=torch.bfloat16, device=dev),
+                          torch.randn(2 * n + 1, 16, 8, 128, dtype=torch.bfloat16, device=dev)) for i in range(layers)}
+    original = {k: (a.clone(), b.clone()) for k, (a, b) in caches.items()}
+    io = OffloadIO([group], caches, [], dev)
+    manager = OffloadManager(HostTier(n, io.block_bytes(0), pin_memory=True), 1, 16, has_state=False)
+    hashes = [("h", j) for j in range(n)]
+    manager.prepare_store("r", hashes, [list(range(1, n + 1))], n * 16)
+    io.run(manager, *manager.take_jobs(), writes={(0, b) for b in range(1, n + 1)})
+    for a, b in caches.values():  # the "forward": overwrites the blocks being stored
+        a[1:n + 1].zero_()
+        b[1:n + 1].zero_()
+    io.poll(manager, wait=True)
+    hit = manager.lookup(hashes, 0, n)
+    assert hit.num_blocks == n
+    manager.prepare_load("s", hit, [list(range(n + 1, 2 * n + 1))], 0, 0)
+    io.run(manager, *manager.take_jobs())
+    torch.cuda.synchronize()
+    for key, (a, b) in caches.items():
+        assert torch.equal(a[n + 1:], original[key][0][1:n + 1]) and torch.equal(b[n + 1:], original[key][1][1:n + 1])

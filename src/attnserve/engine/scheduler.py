@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from attnserve.engine.request import Request, RequestStatus
 from attnserve.kvcache.kv_cache_manager import KVCacheManager
-from attnserve.kvcache.offload.manager import LoadJob, OffloadManager, StoreJob
+from attnserve.kvcache.offload.manager import LoadJob, OffloadManager, StoreJob, TierHit
 
 if TYPE_CHECKING:
     from attnserve.config import SchedulerConfig
@@ -137,14 +137,14 @@ class Scheduler:
             num_new //= 2
         return num_new
 
-    def _offload_lookup(self, req: Request, num_cached: int):
-        """Blocks right after the device hit that the offload tier holds: (tokens, blobs, state)."""
+    def _offload_lookup(self, req: Request, num_cached: int) -> TierHit | None:
+        """Blocks right after the device hit that the offload tier holds, or None."""
         if self.offload is None or req.skip_prefix_cache:
-            return 0, [], None
+            return None
         bs = self.kv.block_size
         start = num_cached // bs
-        n, blobs, state = self.offload.lookup(req.block_hashes, start, (req.num_tokens - 1) // bs - start)
-        return n * bs, blobs, state
+        hit = self.offload.lookup(req.block_hashes, start, (req.num_tokens - 1) // bs - start)
+        return hit if hit.num_blocks else None
 
     def _preempt_for(self, req: Request) -> list[str]:
         """Preempt the lowest-priority running request (the last admitted) to free blocks."""
@@ -163,7 +163,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(req)
-            loaded, blobs, state = self._offload_lookup(req, num_cached)
+            tier_hit = self._offload_lookup(req, num_cached)
+            loaded = tier_hit.num_blocks * self.kv.block_size if tier_hit else 0
+            if tier_hit:  # sliding groups keep the null block where their window does not reach
+                hits = self.kv.with_null_blocks(hits, [tier_hit.num_null_blocks(g) for g in range(len(hits))])
             num_new = req.num_tokens - num_cached - loaded
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -176,9 +179,9 @@ class Scheduler:
             if not num_new or not self.kv.allocate_slots(req, loaded + num_new, num_cached, hits):
                 break
             self.waiting.popleft()
-            if loaded:
-                self.offload.prepare_load(req.request_id, blobs, self.kv.block_ids(req.request_id),
-                                          num_cached // self.kv.block_size, state, self.kv.state_slot(req.request_id))
+            if tier_hit:
+                self.offload.prepare_load(req.request_id, tier_hit, self.kv.block_ids(req.request_id),
+                                          num_cached // self.kv.block_size, self.kv.state_slot(req.request_id))
                 self.stats.offload_hit_tokens += loaded
             req.num_computed_tokens = num_cached + loaded
             if req.num_cached_tokens < 0:

@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB")
     g.add_argument("--kv-offloading-backend", default=None, choices=["host", "disk"])
     g.add_argument("--kv-offloading-dir", default=None)
+    g.add_argument("--kv-offload-sparse-latents", action="store_true", default=None,
+                   help="sparse MLA (DSA): keep latent rows in host memory, indexer keys on the device")
+    g.add_argument("--kv-offload-sparse-latents-size", type=float, default=None, metavar="GiB",
+                   help="host memory for those latent rows (default: half of what is available)")
     g.add_argument("--tensor-parallel-size", type=int, default=None)
     g.add_argument("--device", default=None)
     g.add_argument("--seed", type=int, default=0)
@@ -44,7 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("attention_backend", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
                 "num_gpu_blocks_override", "enable_prefix_caching", "load_format", "dtype",
-                "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir", "tensor_parallel_size",
+                "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir",
+                "kv_offload_sparse_latents", "kv_offload_sparse_latents_size", "tensor_parallel_size",
                 "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager")
 
 

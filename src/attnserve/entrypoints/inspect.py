@@ -20,7 +20,13 @@ from attnserve.attention.registry import (
     select_backend,
 )
 from attnserve.config import CacheConfig
-from attnserve.kvcache.groups import cache_entries, group_entries, layer_specs, plan_layout
+from attnserve.kvcache.groups import (
+    cache_entries,
+    group_entries,
+    layer_specs,
+    plan_layout,
+    sparse_latent_entries,
+)
 from attnserve.kvcache.spec import resolve_cache_dtype
 from attnserve.platforms import Platform
 from attnserve.presets import resolve_config_path
@@ -61,6 +67,23 @@ class InspectReport:
     memory_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
     tensor_parallel_size: int = 1  # > 1: every byte figure is one rank's
+    # sparse MLA (DSA) only: per token, what stays on the device with --kv-offload-sparse-latents
+    # (indexer keys) and what goes to host memory (latent rows); None for other models
+    host_latent_bytes_per_token: int | None = None
+
+    @property
+    def device_bytes_per_token_host_latents(self) -> int | None:
+        if self.host_latent_bytes_per_token is None:
+            return None
+        return self.kv_bytes_per_token - self.host_latent_bytes_per_token
+
+    @property
+    def max_tokens_host_latents(self) -> int | None:
+        """Tokens whose device-resident KV fits in ``memory`` with host-resident latents."""
+        device = self.device_bytes_per_token_host_latents
+        if self.memory_bytes is None or not device:
+            return None
+        return self.memory_bytes // device
 
     @property
     def max_tokens(self) -> int | None:
@@ -111,6 +134,12 @@ class InspectReport:
             out["memory_bytes"] = self.memory_bytes
             out["max_tokens"] = self.max_tokens
             out["max_sequences"] = self.max_sequences
+        if self.host_latent_bytes_per_token is not None:
+            out["sparse_latent_offload"] = {
+                "device_bytes_per_token": self.device_bytes_per_token_host_latents,
+                "host_bytes_per_token": self.host_latent_bytes_per_token,
+                "max_tokens": self.max_tokens_host_latents,
+            }
         return out
 
     def render(self) -> str:
@@ -145,6 +174,16 @@ class InspectReport:
         if self.memory_bytes is not None:
             lines.append(f"In {_size(self.memory_bytes)}: {_num(self.max_tokens or 0)} tokens of KV cache; "
                          f"{_num(self.max_sequences or 0)} sequences of {_num(self.max_model_len)} tokens at once")
+        device = self.device_bytes_per_token_host_latents
+        if device is not None:
+            host = self.host_latent_bytes_per_token or 0
+            lines.append(f"With --kv-offload-sparse-latents: {_num(device)} B per token on the device "
+                         f"(indexer keys; {self.kv_bytes_per_token / max(device, 1):.1f}x the tokens per "
+                         f"device byte), {_num(host)} B of latent rows in host memory")
+            if self.max_tokens_host_latents is not None:
+                lines.append(f"  in {_size(self.memory_bytes or 0)} of device memory: "
+                             f"{_num(self.max_tokens_host_latents)} tokens, with "
+                             f"{_size(self.max_tokens_host_latents * host)} of host memory")
         lines += ["", "Backends:"]
         for r in self.rows:
             why = "; ".join(f"{n}: {', '.join(rs)}" for n, rs in r.passed_over)
@@ -177,7 +216,7 @@ def _components(r: LayerGroupRow) -> str:
     return total
 
 
-_OFFLOAD = {"full": "prefix blocks", "sliding": "not yet (sliding-window groups are not offloaded)",
+_OFFLOAD = {"full": "prefix blocks", "sliding": "prefix blocks (a hit loads back only the window before its end)",
             "mla": "latent rows (prefix blocks)", "sparse_mla": "latent rows and indexer keys (prefix blocks)",
             "state": "state snapshots at block boundaries"}
 
@@ -251,6 +290,7 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
                                   bytes_per_token_per_layer=sum(b for _, b in comps), components=comps,
                                   state_bytes_per_sequence_per_layer=state, window=key[3], backend=sel.name,
                                   passed_over=sel.passed_over, offload=offload))
+    host_latents = sparse_latent_entries(rank_arch, entries)
     notes = []
     if not use_mla and arch.is_mla:
         notes.append("MLA disabled: sparse-MLA layers keep their latent cache")
@@ -266,7 +306,8 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
         bytes_per_sequence_no_window=_full_rate_bytes(layout, max_len) + sum(
             g.bytes_per_sequence_state for g in groups),
         memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes,
-        tensor_parallel_size=tensor_parallel_size)
+        tensor_parallel_size=tensor_parallel_size,
+        host_latent_bytes_per_token=sum(e.spec.bytes_per_token for e in host_latents) if host_latents else None)
 
 
 def _sequence_bytes(entries, num_tokens: int) -> int:

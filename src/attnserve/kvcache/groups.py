@@ -25,7 +25,7 @@ from attnserve.kvcache.spec import (
 )
 
 __all__ = ["CacheEntry", "KVCacheGroup", "KVCacheLayout", "cache_entries", "group_entries", "layer_specs",
-           "plan_layout", "sequence_bytes"]
+           "plan_layout", "sequence_bytes", "sparse_latent_entries"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +118,12 @@ def cache_entries(arch: ModelArch, cache: CacheConfig, model_dtype: str | None =
     dtype = model_dtype or arch.dtype
     return [CacheEntry(layer=s.index, name=name, spec=spec)
             for s in arch.layers for name, spec in layer_specs(s, dtype, cache)]
+
+
+def sparse_latent_entries(arch: ModelArch, entries: list[CacheEntry]) -> list[CacheEntry]:
+    """The latent entries of sparse-MLA (DSA) layers: what ``kv_offload_sparse_latents`` keeps in
+    host memory (their indexer keys, and every other entry, stay on the device)."""
+    return [e for e in entries if e.name == "latent" and arch.layers[e.layer].kind is LayerKind.SPARSE_MLA]
 
 
 def group_entries(entries: list[CacheEntry]) -> list[KVCacheGroup]:

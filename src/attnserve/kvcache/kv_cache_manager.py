@@ -79,6 +79,12 @@ class KVCacheManager:
             k -= 1
         return k * self.block_size
 
+    def with_null_blocks(self, hits: list[list[KVCacheBlock]], counts: list[int]) -> list[list[KVCacheBlock]]:
+        """Hits for a prefix that continues from the offload tier, where ``counts[g]`` of the tier's
+        blocks fall out of group ``g``'s sliding window: those stay null, as in a device hit, and
+        so do the group's device hits before them (the window no longer reaches them)."""
+        return [[self.pool.null_block] * (len(h) + k) if k else h for h, k in zip(hits, counts)]
+
     def can_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                      new_computed_blocks: list[list[KVCacheBlock]] | None = None) -> bool:
         """Whether ``allocate_slots`` would succeed (blocks a window would drop count as free)."""

@@ -16,7 +16,15 @@ from attnserve.kvcache.groups import KVCacheGroup
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["FullAttentionManager", "SingleTypeManager", "SlidingWindowManager", "create_manager"]
+__all__ = ["FullAttentionManager", "SingleTypeManager", "SlidingWindowManager", "create_manager",
+           "window_blocks_needed"]
+
+
+def window_blocks_needed(window: int, block_size: int) -> int:
+    """Blocks a prefix hit of a sliding-window group needs right before its end: those that
+    hold the ``window - 1`` tokens the next token attends to besides itself; earlier ones may
+    be gone (the null block). The offload tier's lookup uses the same rule."""
+    return max(1, math.ceil((window - 1) / block_size))
 
 
 class SingleTypeManager:
@@ -100,7 +108,7 @@ class SlidingWindowManager(SingleTypeManager):
         assert group.window is not None
         self.window = group.window
         # a hit needs the blocks covering the window before its end; earlier ones may be gone
-        self.contiguous_needed = max(1, math.ceil((self.window - 1) / self.block_size))
+        self.contiguous_needed = window_blocks_needed(self.window, self.block_size)
 
     def find_longest_cache_hit(self, block_hashes, max_length):
         n = min(max_length // self.block_size, len(block_hashes))

@@ -26,6 +26,7 @@ from attnserve.kvcache.state import StatePool
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
+from attnserve.runner.host_latents import check_host_latents, plan_host_latents, wrap_backends
 from attnserve.runner.kv_cache import allocate_kv_cache, allocate_state_cache, determine_num_blocks
 from attnserve.runner.model_runner import ModelRunner
 from attnserve.runner.offload_io import OffloadIO
@@ -55,19 +56,20 @@ def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dic
         return None, None
     if not config.cache.enable_prefix_caching:
         raise ValueError("KV offloading keeps prefix blocks by their hash: it needs enable_prefix_caching")
-    if any(g.policy != "full" for g in groups):
-        raise ValueError("KV offloading of sliding-window groups is not supported yet; this model has "
+    if any(g.policy not in ("full", "sliding") for g in groups):
+        raise ValueError("KV offloading keeps full and sliding-window groups; this model has "
                          f"{sorted({g.policy for g in groups})} groups")
-    io = OffloadIO(groups, caches, state_caches)
+    io = OffloadIO(groups, caches, state_caches, device)
     blob = max([io.block_bytes(g) for g in range(len(groups))] + [io.state_bytes()])
     capacity = int(off.kv_offloading_size * 1024**3) // blob
     if off.kv_offloading_backend == "disk":
         if not off.kv_offloading_dir:
             raise ValueError("kv_offloading_backend 'disk' needs kv_offloading_dir, the directory to keep blocks in")
-        tier = DiskTier(capacity, blob, off.kv_offloading_dir)
+        tier = DiskTier(capacity, blob, off.kv_offloading_dir, pin_memory=device.type == "cuda")
     else:
         tier = HostTier(capacity, blob, pin_memory=device.type == "cuda")
-    manager = OffloadManager(tier, len(groups), groups[0].block_size, has_state=bool(state_caches))
+    manager = OffloadManager(tier, len(groups), groups[0].block_size, has_state=bool(state_caches),
+                             windows=[g.window if g.policy == "sliding" else None for g in groups])
     logger.info("KV offloading: %s tier of %d blocks of %d bytes", off.kv_offloading_backend, capacity, blob)
     return manager, io
 
@@ -156,6 +158,7 @@ def build_engine_parts(config: EngineConfig, parallel: ParallelState | None = No
     """
     model_dir = resolve_model_dir(config.model.model)
     arch = ModelArch.from_hf(load_hf_config(model_dir), use_mla=not env.mla_disabled())
+    check_host_latents(config, arch)
     parallel, workers = _start_parallel(config, arch, parallel)
     try:
         return _build_parts(config, model_dir, arch, parallel, workers)
@@ -186,20 +189,26 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                     for i, g in enumerate(group_entries([e for e in entries if e.spec.policy == "state"]))]
     backend_names = _select_backends(arch, groups + state_groups, dtype, config, platform)
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
+    host_latents = plan_host_latents(config, arch, layout, max_len)  # None unless kv_offload_sparse_latents
+    backends = wrap_backends(host_latents, groups, backends, device)
 
     model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[dtype])
     if parallel is not None:  # every rank loaded the whole checkpoint: keep this rank's shard
         shard_model(model, parallel)
     # sized once the weights are in memory, from what is left
-    needed = (config.scheduler.max_num_seqs * layout.blocks_for(max_len) + 1) * layout.bytes_per_block
+    per_block = layout.bytes_per_block if host_latents is None else host_latents.device_bytes_per_block
+    needed = (config.scheduler.max_num_seqs * layout.blocks_for(max_len) + 1) * per_block
     state_pool, state_bytes = None, 0
     if state_groups:  # one slot per running sequence, as many snapshot slots for prefix hits
         snapshots = config.scheduler.max_num_seqs if config.cache.enable_prefix_caching else 0
         state_pool = StatePool(config.scheduler.max_num_seqs, snapshots)
         state_bytes = state_pool.num_slots * sum(g.bytes_per_sequence_state for g in state_groups)
-    num_blocks = determine_num_blocks(layout, config.cache, device, needed, state_bytes)
+    staging_bytes = 0 if host_latents is None else host_latents.staging_bytes
+    num_blocks = determine_num_blocks(layout, config.cache, device, needed, state_bytes + staging_bytes, per_block)
     if parallel is not None:
         num_blocks = min_over_ranks(num_blocks)
+    if host_latents is not None:
+        num_blocks = host_latents.host_blocks(num_blocks, layout.blocks_for(max_len), device)
     kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching, state_pool)
     one_seq = kv.num_blocks_for_tokens(max_len)
     if one_seq > num_blocks - 1:
@@ -207,13 +216,20 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                          f"but one sequence of max_model_len={max_len} needs {one_seq}; lower max_model_len "
                          f"or give the cache more memory")
     state_layers = frozenset(e.layer for g in state_groups for e in g.entries)
-    caches = allocate_kv_cache(model, layout, num_blocks, device, backends, state_layers)
+    caches = allocate_kv_cache(model, layout, num_blocks, device, backends, state_layers,
+                               host_entries=host_latents.entries if host_latents else frozenset())
     state_caches = allocate_state_cache(model, state_groups, state_pool.num_slots, device, backends) \
         if state_pool is not None else []
     offload, offload_io = _build_offload(config, groups, caches, state_caches, device)
+    graphs = not config.model.enforce_eager and parallel is None
+    if graphs and arch.moe is not None and device.type == "cuda":
+        # the expert loop sizes its slices from the routing on the host (a sync), which a graph
+        # cannot replay: MoE models decode eagerly until the experts run in one device kernel
+        logger.info("CUDA graphs off: the MoE layers route on the host")
+        graphs = False
     runner = ModelRunner(model, arch, groups, backends, device, max_model_len=max_len,
                          max_num_seqs=config.scheduler.max_num_seqs,
-                         cuda_graphs=not config.model.enforce_eager and parallel is None,
+                         cuda_graphs=graphs,
                          state_caches=state_caches, offload=offload, offload_io=offload_io,
                          workers=workers)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,

@@ -27,7 +27,8 @@ from attnserve.kvcache.spec import (
 )
 from attnserve.kvcache.state import StateCache
 
-__all__ = ["allocate_kv_cache", "allocate_state_cache", "determine_num_blocks", "torch_cache_dtype"]
+__all__ = ["allocate_kv_cache", "allocate_state_cache", "determine_num_blocks", "host_available_bytes",
+           "torch_cache_dtype"]
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -40,7 +41,8 @@ def torch_cache_dtype(name: str) -> torch.dtype:
             "fp8": torch.float8_e4m3fn}[name]
 
 
-def _cpu_available_bytes() -> int:
+def host_available_bytes() -> int:
+    """Host memory available now (``MemAvailable``; 8 GiB where it cannot be read)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -51,34 +53,37 @@ def _cpu_available_bytes() -> int:
 
 
 def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torch.device,
-                         needed_bytes: int, reserved_bytes: int = 0) -> int:
+                         needed_bytes: int, reserved_bytes: int = 0, per_block: int | None = None) -> int:
     """Blocks in the pool (the null block included).
 
     Args:
         needed_bytes: what ``max_num_seqs`` sequences of ``max_model_len`` tokens would use; the
             CPU default budget never exceeds it, so tiny models do not allocate gigabytes.
+        reserved_bytes: taken from the budget first (state slots, staging buffers).
+        per_block: device bytes of one block id (default: every entry's page; less when some
+            entries live in host memory).
     """
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    per_block = layout.bytes_per_block
+    per_block = layout.bytes_per_block if per_block is None else per_block
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory * GIB)
     elif device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * cache.gpu_memory_utilization) - 512 * 1024**2  # room for activations
     else:
-        budget = min(int(_cpu_available_bytes() * _CPU_DEFAULT_SHARE), _CPU_DEFAULT_CAP,
+        budget = min(int(host_available_bytes() * _CPU_DEFAULT_SHARE), _CPU_DEFAULT_CAP,
                      needed_bytes + reserved_bytes)
-    budget -= reserved_bytes  # per-sequence state slots come out of the same budget
+    budget -= reserved_bytes  # state slots (and staging buffers) come out of the same budget
     num_blocks = budget // per_block + 1
     if num_blocks < 2:
         raise ValueError(f"the KV cache budget ({(budget + reserved_bytes) / GIB:.3f} GiB, of which "
-                         f"{reserved_bytes / GIB:.3f} GiB of state slots) holds no block of "
+                         f"{reserved_bytes / GIB:.3f} GiB reserved for state slots or staging) holds no block of "
                          f"{per_block} bytes; raise kv_cache_memory or gpu_memory_utilization")
     return num_blocks
 
 
-def _alloc(spec: KVCacheSpec, num_blocks: int, device: torch.device):
+def _alloc(spec: KVCacheSpec, num_blocks: int, device: torch.device, pin_memory: bool = False):
     """One entry's paged tensors, zeroed: backends read whole blocks and mask what lies past a
     sequence's end, and masked never-written memory could hold NaN bit patterns (0 * NaN)."""
     if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, StreamingSpec)):
@@ -90,19 +95,25 @@ def _alloc(spec: KVCacheSpec, num_blocks: int, device: torch.device):
         # fp8 rows are raw bytes in their documented layout; other dtypes are plain values
         width = spec.bytes_per_token if spec.dtype == "fp8" else spec.bytes_per_token // spec.dtype_bytes
         dtype = torch.uint8 if spec.dtype == "fp8" else torch_cache_dtype(spec.dtype)
-        return torch.zeros(num_blocks, spec.block_size, width, dtype=dtype, device=device)
+        return torch.zeros(num_blocks, spec.block_size, width, dtype=dtype, device=device, pin_memory=pin_memory)
     raise NotImplementedError(f"no paged allocator for {type(spec).__name__}")
 
 
 def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, device: torch.device,
-                      backends: list, state_layers: frozenset[int] = frozenset()) -> dict[tuple[int, str], object]:
+                      backends: list, state_layers: frozenset[int] = frozenset(),
+                      host_entries: frozenset[tuple[int, str]] = frozenset()) -> dict[tuple[int, str], object]:
     """Allocate one set of tensors per slot (its entries alias them) and bind them, with the
-    group's backend, to each layer."""
+    group's backend, to each layer. ``host_entries`` (layer, name) go to host memory, pinned
+    when the device is CUDA (host-resident sparse-MLA latents)."""
     caches: dict[tuple[int, str], object] = {}
     layer_group: dict[int, int] = {}
     specs = {(e.layer, e.name): e.spec for slot in layout.slots for e in slot}
     for slot in layout.slots:
-        tensors = _alloc(slot[0].spec, num_blocks, device)
+        on_host = (slot[0].layer, slot[0].name) in host_entries
+        if on_host and len(slot) > 1:
+            raise ValueError("host-resident cache entries cannot share their tensors with others")
+        tensors = _alloc(slot[0].spec, num_blocks, torch.device("cpu") if on_host else device,
+                         pin_memory=on_host and device.type == "cuda")
         for e in slot:
             assert e.spec.page_size_bytes == slot[0].spec.page_size_bytes, "slot members differ in page shape"
             caches[(e.layer, e.name)] = tensors
@@ -125,8 +136,10 @@ def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, 
         if isinstance(spec, StreamingSpec):
             module.streaming = (spec.sinks, spec.window)
     _bind_rotary_for_streaming(model)
-    logger.info("KV cache: %d blocks of %d bytes (%.3f GiB) on %s", num_blocks, layout.bytes_per_block,
-                num_blocks * layout.bytes_per_block / GIB, device)
+    host = sum(slot[0].spec.page_size_bytes for slot in layout.slots if (slot[0].layer, slot[0].name) in host_entries)
+    logger.info("KV cache: %d blocks of %d bytes (%.3f GiB) on %s%s", num_blocks, layout.bytes_per_block - host,
+                num_blocks * (layout.bytes_per_block - host) / GIB, device,
+                f", and {host} bytes per block ({num_blocks * host / GIB:.3f} GiB) in host memory" if host else "")
     return caches
 
 

@@ -21,6 +21,7 @@ from attnserve.kvcache.groups import KVCacheGroup
 from attnserve.layers.rotary import RotaryEmbedding
 from attnserve.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from attnserve.runner.forward_context import ForwardContext, forward_context
+from attnserve.runner.offload_io import written_blocks
 
 if TYPE_CHECKING:
     from attnserve.runner.worker import WorkerGroup
@@ -124,7 +125,7 @@ class ModelRunner:
         scheduled = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start == 0))
         self._copy_states(output.state_copies)  # snapshot saves and restores first,
         if output.offload is not None:  # then tier stores (read) and loads (write)
-            self.offload_io.run(self.offload, *output.offload)
+            self.offload_io.run(self.offload, *output.offload, written_blocks(scheduled, self.block_size))
         input_ids, ctx = self._prepare(scheduled)
         qsl = ctx.common.query_start_loc_cpu
         sample_reqs = [s.request for s in scheduled if s.samples]

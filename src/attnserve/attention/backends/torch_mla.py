@@ -35,6 +35,7 @@ __all__ = [
     "TorchMLAMetadata",
     "attend_absorbed",
     "attend_expanded",
+    "pack_latent_rows",
     "read_latent",
     "write_latent_rows",
 ]
@@ -63,17 +64,21 @@ def write_latent_rows(
     """
     flat = cache.view(-1, cache.shape[-1])  # [num_slots, row width]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    kept = rows[keep]
+    flat.index_copy_(0, slot_mapping[keep], pack_latent_rows(rows[keep], cache, kv_lora_rank))
+
+
+def pack_latent_rows(rows: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
+    """Latent rows [T, L + R] as ``cache`` stores them: its dtype, or fp8 rows for a uint8 cache
+    (computed on ``rows``' device, whatever device ``cache`` is on)."""
     if cache.dtype == torch.uint8:
-        packed = quantize_mla_fp8(kept[:, :kv_lora_rank], kept[:, kv_lora_rank:])
+        packed = quantize_mla_fp8(rows[:, :kv_lora_rank], rows[:, kv_lora_rank:])
     else:
-        packed = kept.to(cache.dtype)
-    if packed.shape[-1] != flat.shape[-1]:
+        packed = rows.to(cache.dtype)
+    if packed.shape[-1] != cache.shape[-1]:
         raise ValueError(
-            f"latent rows of {packed.shape[-1]} do not fit a cache of {flat.shape[-1]}"
+            f"latent rows of {packed.shape[-1]} do not fit a cache of {cache.shape[-1]}"
         )
-    flat.index_copy_(0, slots, packed)
+    return packed
 
 
 def read_latent(

@@ -156,7 +156,31 @@ def _chunks(total: int, per_item: int):
         yield start, min(start + step, total)
 
 
-class TorchMLASparseBackend(AttentionBackend):
+class SparseLatentBackend(AttentionBackend):
+    """What the sparse-MLA backends share: ``forward`` writes the step's new latent rows, then
+    ``attend`` (each backend's own) reads the selected rows; the host-latent wrapper calls
+    ``attend`` alone over its staged rows."""
+
+    def forward(self, layer, q, k, v, kv_cache, metadata, *, topk_indices: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Write the new latent rows ``k`` and attend over the selected rows of each query.
+
+        ``q``, ``k``, ``v`` and the result have TORCH_MLA's meanings; ``topk_indices`` [T, K]
+        holds absolute positions (-1 unused) from ``select_topk`` or, on a GLM-5 "shared"
+        layer, from the previous full layer. Returns [T, H, d_v] in q's dtype.
+        """
+        if topk_indices is None:
+            raise ValueError(f"{self.name} attends over top-k indices: pass topk_indices")
+        cache = kv_cache["latent"]
+        write_latent_rows(cache, k, metadata.slot_mapping, layer.kv_lora_rank)
+        return self.attend(layer, q, cache, metadata, topk_indices)
+
+    def attend(self, layer, q: torch.Tensor, cache: torch.Tensor, metadata, topk_indices: torch.Tensor
+               ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchMLASparseBackend(SparseLatentBackend):
     name = "TORCH_MLA_SPARSE"
 
     def __init__(self, block_size: int):
@@ -230,28 +254,17 @@ class TorchMLASparseBackend(AttentionBackend):
                 out[a:b] = _topk(scores, key_pos[None, :] <= pos[a:b, None], topk)
         return out
 
-    def forward(
+    def attend(
         self,
         layer,
-        q,
-        k,
-        v,
-        kv_cache,
+        q: torch.Tensor,
+        cache: torch.Tensor,
         metadata: TorchMLASparseMetadata,
-        *,
-        topk_indices: torch.Tensor | None = None,
+        topk_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Write the new latent rows ``k`` and attend over the selected rows of each query.
-
-        ``q``, ``k``, ``v`` and the result have TORCH_MLA's meanings; ``topk_indices`` [T, K]
-        holds absolute positions (-1 unused) from ``select_topk`` or, on a GLM-5 "shared"
-        layer, from the previous full layer. Returns [T, H, d_v] in q's dtype.
-        """
-        if topk_indices is None:
-            raise ValueError(f"{self.name} attends over top-k indices: pass topk_indices")
-        cache = kv_cache["latent"]
+        """Sparse MLA over latent rows already in ``cache`` (``forward`` without the write):
+        [T, H, d_nope + R] queries, [T, K] positions -> [T, H, d_v]."""
         rank, rope = layer.kv_lora_rank, layer.qk_rope_head_dim
-        write_latent_rows(cache, k, metadata.slot_mapping, rank)
         w_kv_b = layer.w_kv_b.to(q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1], w_kv_b.shape[1] - layer.qk_nope_head_dim)
         idx = topk_indices.long()

@@ -23,9 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backend import AttentionBackend
-from attnserve.attention.backends.torch_mla import write_latent_rows
-from attnserve.attention.backends.torch_mla_sparse import write_indexer_rows
+from attnserve.attention.backends.torch_mla_sparse import SparseLatentBackend, write_indexer_rows
 from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.attention.ops.triton_mla_sparse import lightning_indexer_topk, sparse_mla
@@ -57,7 +55,7 @@ def _chunks(start: int, end: int, per_item: int):
         yield a, min(a + step, end)
 
 
-class TritonMLASparseBackend(AttentionBackend):
+class TritonMLASparseBackend(SparseLatentBackend):
     name = "TRITON_MLA_SPARSE"
 
     def __init__(self, block_size: int):
@@ -127,28 +125,17 @@ class TritonMLASparseBackend(AttentionBackend):
                 )  # fmt: skip
         return out
 
-    def forward(
+    def attend(
         self,
         layer,
-        q,
-        k,
-        v,
-        kv_cache,
+        q: torch.Tensor,
+        cache: torch.Tensor,
         metadata: TritonMLASparseMetadata,
-        *,
-        topk_indices: torch.Tensor | None = None,
+        topk_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Write the new latent rows ``k`` and attend over the selected rows of each query.
-
-        ``q``, ``k``, ``v`` and the result have TORCH_MLA's meanings; ``topk_indices`` [T, K]
-        holds absolute positions (-1 unused) from ``select_topk`` or, on a GLM-5 "shared"
-        layer, from the previous full layer. Returns [T, H, d_v] in q's dtype.
-        """
-        if topk_indices is None:
-            raise ValueError(f"{self.name} attends over top-k indices: pass topk_indices")
-        cache = kv_cache["latent"]
+        """Sparse MLA over latent rows already in ``cache`` (``forward`` without the write):
+        [T, H, d_nope + R] queries, [T, K] positions -> [T, H, d_v]."""
         rank, rope, d_nope = layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim
-        write_latent_rows(cache, k, metadata.slot_mapping, rank)
         w_kv_b = layer.w_kv_b.to(q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1], w_kv_b.shape[1] - d_nope)
         for a, b in _chunks(0, q.shape[0], q.shape[1] * (rank + rope)):

@@ -5,6 +5,13 @@ or one state snapshot) under a key, with least-recently-used eviction when full.
 them in one preallocated (pinned, on CUDA machines) byte buffer; ``disk`` keeps one file per
 blob under a directory, with a checksum, so a corrupt or missing file reads as a miss and the
 engine recomputes instead of answering wrongly. A tier knows bytes and keys, not models.
+
+Copies into and out of a tier may be asynchronous (``runner/offload_io.py``), so a store is two
+steps: ``reserve`` gives the buffer to copy into (the host tier's own slot, or a staging buffer
+for the disk), and ``commit`` makes the blob visible once the copy is done; until then the key
+is neither readable nor reserved twice. A blob being loaded is ``hold``-ed
+until its copy is done, and eviction passes over held blobs, so no store overwrites a slot a
+load is still reading.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import logging
 import os
 import struct
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
@@ -32,27 +39,34 @@ class OffloadTier:
             raise ValueError(f"the offload tier holds no block of {blob_bytes} bytes: give it more space")
         self.capacity = capacity
         self.blob_bytes = blob_bytes
-        self.index: OrderedDict[Key, int] = OrderedDict()  # key -> slot, oldest first
+        self.index: OrderedDict[Key, int] = OrderedDict()  # committed key -> slot, oldest first
+        self.reserved: dict[Key, int] = {}  # key -> slot being written, not readable yet
+        self.held: Counter[Key] = Counter()  # keys whose blob a load is still copying
         self._free = list(range(capacity - 1, -1, -1))
         self.evictions = 0
 
     def __contains__(self, key: Key) -> bool:
+        """Whether the blob is stored and readable (a reserved one is not yet)."""
         return key in self.index
+
+    def _busy(self, key: Key) -> bool:
+        return key in self.index or key in self.reserved
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def _take_slot(self, key: Key) -> int:
-        if key in self.index:
-            self.index.move_to_end(key)
-            return self.index[key]
-        if not self._free:
-            old, slot = self.index.popitem(last=False)
+    def _take_slot(self, key: Key) -> int | None:
+        """A free slot, or the least recently used one that no load holds; None if all are busy."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            old = next((k for k in self.index if not self.held[k]), None)
+            if old is None:
+                return None
+            slot = self.index.pop(old)
             self._drop(old, slot)
             self.evictions += 1
-        else:
-            slot = self._free.pop()
-        self.index[key] = slot
+        self.reserved[key] = slot
         return slot
 
     def _forget(self, key: Key) -> None:
@@ -64,12 +78,36 @@ class OffloadTier:
     def _drop(self, key: Key, slot: int) -> None:
         """Release what ``slot`` held (files, for the disk tier)."""
 
-    def put(self, key: Key, data: torch.Tensor) -> None:
+    def reserve(self, key: Key, nbytes: int) -> torch.Tensor | None:
+        """A uint8 buffer of ``nbytes`` to copy the blob into, then ``commit``; None when the key
+        is already stored (or on its way) or every slot is busy."""
         raise NotImplementedError
+
+    def commit(self, key: Key) -> None:
+        """The copy into ``reserve``'s buffer is done: the blob becomes readable."""
+        slot = self.reserved.pop(key)
+        self.index[key] = slot
+
+    def put(self, key: Key, data: torch.Tensor) -> None:
+        """Store a blob now (reserve, copy, commit); an existing key is only marked used."""
+        if key in self.index:
+            self.index.move_to_end(key)
+            return
+        buf = self.reserve(key, data.numel())
+        if buf is not None:
+            buf.copy_(data)
+            self.commit(key)
 
     def get(self, key: Key) -> torch.Tensor | None:
         """The blob (uint8, on CPU) or None if absent or unreadable."""
         raise NotImplementedError
+
+    def hold(self, keys: list[Key]) -> None:
+        self.held.update(keys)
+
+    def release(self, keys: list[Key]) -> None:
+        self.held.subtract(keys)
+        self.held = +self.held  # drop the zero counts
 
 
 class HostTier(OffloadTier):
@@ -78,11 +116,14 @@ class HostTier(OffloadTier):
         self.buffer = torch.empty(capacity, blob_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         self.lengths: dict[int, int] = {}
 
-    def put(self, key: Key, data: torch.Tensor) -> None:
+    def reserve(self, key: Key, nbytes: int) -> torch.Tensor | None:
+        if self._busy(key):
+            return None
         slot = self._take_slot(key)
-        n = data.numel()
-        self.buffer[slot, :n].copy_(data, non_blocking=True)
-        self.lengths[slot] = n
+        if slot is None:
+            return None
+        self.lengths[slot] = nbytes
+        return self.buffer[slot, :nbytes]  # copied into directly: no staging
 
     def get(self, key: Key) -> torch.Tensor | None:
         slot = self.index.get(key)
@@ -99,18 +140,27 @@ _HEADER = struct.Struct("<8sQI")  # magic, payload length, crc32
 class DiskTier(OffloadTier):
     """One file per blob: header (magic, length, crc32) then the raw bytes."""
 
-    def __init__(self, capacity: int, blob_bytes: int, directory: str | os.PathLike):
+    def __init__(self, capacity: int, blob_bytes: int, directory: str | os.PathLike, pin_memory: bool = False):
         super().__init__(capacity, blob_bytes)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.pin_memory = pin_memory  # staging buffers of stores (CUDA copies into them)
         self.failures = 0
+        self._staging: dict[Key, torch.Tensor] = {}
 
     def _path(self, slot: int) -> Path:
         return self.dir / f"block_{slot:08d}.kvb"
 
-    def put(self, key: Key, data: torch.Tensor) -> None:
-        slot = self._take_slot(key)
-        payload = data.contiguous().cpu().numpy().tobytes()
+    def reserve(self, key: Key, nbytes: int) -> torch.Tensor | None:
+        if self._busy(key) or self._take_slot(key) is None:
+            return None
+        self._staging[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        return self._staging[key]
+
+    def commit(self, key: Key) -> None:
+        super().commit(key)
+        slot = self.index[key]
+        payload = self._staging.pop(key).numpy().tobytes()
         try:
             with open(self._path(slot), "wb") as f:
                 f.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)))
