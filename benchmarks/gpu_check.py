@@ -4,7 +4,9 @@ For each family: a tiny random model (the CPU parity configs), transformers' eag
 greedy generation on the GPU as the reference, and attnserve on the GPU (TRITON_ATTN with CUDA
 graphs; MLA families on their own backend). float32 must agree within 1e-4 in prompt logprobs
 with identical greedy tokens; bf16 is reported (max logprob deviation, greedy agreement), since
-bf16 rounding moves logits by about 1e-2. Also checks that CUDA-graph decode equals eager decode.
+bf16 rounding moves logits by about 1e-2, next to transformers' own bf16 run against its float32
+one (families with discrete choices, MoE routing or DSA's top-k, flip some of them under bf16).
+Also checks that CUDA-graph decode equals eager decode.
 
     python benchmarks/gpu_check.py [--json out.json]
 """
@@ -110,11 +112,17 @@ def check_family(name: str, dtype: str, device: str = "cuda") -> dict:
         cfg = CONFIG_MAPPING[model_type](**{"initializer_range": 0.1, **kwargs})
         hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
         hf.save_pretrained(d)
-        hf = hf.to(device, tdtype)
         prompts = make_prompts(LENGTHS)
+        baseline = None
+        if tdtype != torch.float32:  # how far transformers' own low-precision run is from float32
+            plp32, greedy32 = reference(hf.to(device), prompts)
+        hf = hf.to(device, tdtype)
         plp, greedy = reference(hf, prompts)
+        if tdtype != torch.float32:
+            baseline = {"max_dlogprob": max((a - b).abs().max().item() for a, b in zip(plp, plp32)),
+                        "greedy_agree": sum(g == h for g, h in zip(greedy, greedy32)) / len(greedy)}
         params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, prompt_logprobs=1)
-        row = {"family": name, "dtype": dtype}
+        row = {"family": name, "dtype": dtype, "hf_vs_fp32": baseline}
         for mode, extra in MODES:
             llm = LLM(d, dtype=dtype, device=device, block_size=16, max_model_len=256, max_num_seqs=8, **extra)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -160,7 +168,7 @@ def main() -> None:
     print(f"\nCUDA parity against transformers ({time.time() - start:.0f} s); dlogprob = max |prompt logprob "
           f"difference|, agree = share of prompts whose {NEW} greedy tokens are identical")
     print(f"{'family':<16}{'dtype':<10}{'backend':<14}{'graphs dlp/agree':>20}{'eager dlp/agree':>20}"
-          f"{'chunked dlp/agree':>20}  graphs==eager")
+          f"{'chunked dlp/agree':>20}  graphs==eager  [transformers itself vs fp32]")
     for r in rows:
         if "error" in r:
             print(f"{r['family']:<16}{r['dtype']:<10}ERROR {r['error'][:90]}")
@@ -168,7 +176,9 @@ def main() -> None:
         cells = [f"{r[m]['max_dlogprob']:.1e}/{r[m]['greedy_agree']:.2f}" for m in ("graphs", "eager", "chunked")]
         backend = ",".join(sorted(set(r["graphs"]["backends"])))
         print(f"{r['family']:<16}{r['dtype']:<10}{backend:<14}{cells[0]:>20}{cells[1]:>20}{cells[2]:>20}  "
-              f"{r['graphs_equal_eager']} (graphs {'on' if r['graphs']['graphs'] else 'off'})")
+              f"{r['graphs_equal_eager']} (graphs {'on' if r['graphs']['graphs'] else 'off'})"
+              + (f"  [{r['hf_vs_fp32']['max_dlogprob']:.1e}/{r['hf_vs_fp32']['greedy_agree']:.2f}]"
+                 if r.get("hf_vs_fp32") else ""))
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ DECODE_LENS = [1, 16, 17, 63, 64, 65, 100]  # page 16, interpreter tiles of 64 k
     ids=["fp32", "fp16", "bf16", "fp32-fp8", "fp16-fp8"],
 )  # fmt: skip
 def test_mla_decode_matches_twin(dtype, fp8):
-    rank = 128 if fp8 else 32
+    rank = 256 if fp8 else 32  # two scale tiles per fp8 row
     gen = torch.Generator().manual_seed(1)
     cache, table = latent_batch(DECODE_LENS, rank, dtype, fp8, 16, seed=2)
     b = len(DECODE_LENS)

@@ -69,14 +69,14 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 
 def pick_mla_config(
-    num_heads: int, dtype: torch.dtype = torch.bfloat16, interpret: bool | None = None
+    num_heads: int, dtype: torch.dtype = torch.bfloat16, interpret: bool | None = None, fp8: bool = False
 ) -> MLAConfig:
     """One pinned config per shape class (no autotuning; the interpreter takes one config).
 
     Few heads (16: DeepSeek-V2-Lite, TP8 shards) are memory-bound: 16-row programs, long key
     tiles. Many heads (128) are compute-bound: 64 heads share each key tile. float32 tiles are
-    kept small enough for shared memory. The GPU values are first guesses, to be checked with
-    ``benchmarks/gpu_mla.py`` (its sweep).
+    kept small enough for shared memory. The GPU values are the best of ``benchmarks/gpu_mla.py``'s
+    sweep on the H200.
     """
     if interpret is None:
         interpret = env.triton_interpret()
@@ -85,9 +85,14 @@ def pick_mla_config(
         return MLAConfig(block_h, 64, 4, 1)
     if dtype == torch.float32:
         return MLAConfig(16, 32, 4, 1)
-    if block_h <= 16:
-        return MLAConfig(16, 64, 4, 2)
-    return MLAConfig(block_h, 32, 8 if block_h >= 64 else 4, 2)
+    # measured on the H200 (benchmarks/gpu_mla.py sweep): 16 heads x 64 requests x 16K keys,
+    # 404 us with (16, 128, 4, 3) against 527 with (16, 64, 4, 2); 128 heads x 64 x 8K, 883 us
+    # with (64, 64, 8, 1) against 924 with (64, 32, 8, 2), and sparse fp8 decode 182 against 311
+    if block_h <= 16:  # fp8 rows: 128-key tiles need 277 KB of shared memory to apply the scales
+        return MLAConfig(16, 64, 4, 2) if fp8 else MLAConfig(16, 128, 4, 3)
+    if block_h >= 64:
+        return MLAConfig(block_h, 64, 8, 1)
+    return MLAConfig(block_h, 32, 4, 2)
 
 
 @functools.lru_cache(maxsize=8)
@@ -108,7 +113,7 @@ def pick_mla_splits(
     if device.type != "cuda" or env.triton_interpret():
         return 1
     want = triton.cdiv(4 * num_sms(device), max(num_programs, 1))
-    splits = min(want, num_keys // min_keys, 64)
+    splits = min(want, num_keys // min_keys, 256)
     return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
 
 
@@ -164,9 +169,16 @@ def load_latent_rows(kv_ptr, pe_ptr, sc_ptr, blk, off, valid, s_kvb, s_kvs, s_pe
     pe = tl.load(pe_rows + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0)
     kv = tl.load(kv_rows + d[None, :], mask=kv_mask, other=0.0)
     if FP8:  # e4m3 value times its tile's power-of-two scale: exact in bf16 and fp32
-        sc = tl.load(sc_ptr + (blk * s_scb + off * s_scs)[:, None] + (d // TILE)[None, :],
-                     mask=kv_mask, other=0.0)
-        kv = kv.to(tl.float32) * sc
+        if L == L_PAD and L % TILE == 0:  # one scale load per tile, broadcast over its values
+            t = tl.arange(0, L // TILE)
+            sc = tl.load(sc_ptr + (blk * s_scb + off * s_scs)[:, None] + t[None, :],
+                         mask=valid[:, None], other=0.0)
+            kv = tl.reshape(tl.reshape(kv.to(tl.float32), [kv.shape[0], L // TILE, TILE])
+                            * sc[:, :, None], [kv.shape[0], L])
+        else:
+            sc = tl.load(sc_ptr + (blk * s_scb + off * s_scs)[:, None] + (d // TILE)[None, :],
+                         mask=kv_mask, other=0.0)
+            kv = kv.to(tl.float32) * sc
         pe = pe.to(tl.float32)  # bf16 rope: through fp32, as the interpreter needs
     return kv.to(DT), pe.to(DT)
 
@@ -331,12 +343,15 @@ def prepare_latent_launch(
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dimension")
     kv, pe, sc, fp8 = latent_cache_views(latent_cache, kv_lora_rank, rope_dim)
-    cfg = config or pick_mla_config(num_heads, q.dtype, interpret)
+    cfg = config or pick_mla_config(num_heads, q.dtype, interpret, fp8)
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     if out is None:
         out = q.new_empty(rows, num_heads, kv_lora_rank)
     if num_splits is None:
-        num_splits = pick_mla_splits(rows * head_blocks, num_keys, q.device)
+        # each split writes [heads, L] fp32 partials and reads keys of L + R model-dtype values:
+        # at least 16 keys per head keeps the partials under ~1/8 of the keys' bytes (at 128
+        # heads, 256-key splits made the merge cost more than the attention)
+        num_splits = pick_mla_splits(rows * head_blocks, num_keys, q.device, min_keys=max(256, 16 * num_heads))
     part_out = part_lse = out  # unused unless split
     if num_splits > 1:  # [rows, H, splits, L] partial outputs and their lse
         part_out = q.new_empty(rows, num_heads, num_splits, kv_lora_rank, dtype=torch.float32)

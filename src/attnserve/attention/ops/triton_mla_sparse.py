@@ -324,8 +324,8 @@ def indexer_logits(
     num_q_blocks = num_seqs if decode_only else num_tokens // cfg.block_t + num_seqs
     total_tiles = triton.cdiv(width, cfg.block_s)
     key_tiles = cfg.key_tiles or _key_tiles(num_q_blocks, total_tiles, q.device, interpret)
-    if fp8:  # e4m3 values are exact in bf16: products exact, sums in fp32
-        dt = tl.float32 if interpret else tl.bfloat16
+    if fp8:  # e4m3 values are exact in fp16 (a native conversion, unlike bf16): products exact, sums fp32
+        dt = tl.float32 if interpret else tl.float16
     else:
         dt = compute_dtype(q.dtype, interpret)
     ks_strides = k_scale.stride()[:2]
