@@ -100,7 +100,7 @@ def compare(outs, prompts, plp, greedy):
     return worst, agree / len(outs)
 
 
-def check_family(name: str, dtype: str, device: str = "cuda") -> dict:
+def check_family(name: str, dtype: str, device: str = "cuda", backend: str | None = None) -> dict:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from attnserve import LLM, SamplingParams
@@ -124,6 +124,8 @@ def check_family(name: str, dtype: str, device: str = "cuda") -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, prompt_logprobs=1)
         row = {"family": name, "dtype": dtype, "hf_vs_fp32": baseline}
         for mode, extra in MODES:
+            if backend:
+                extra = dict(extra, attention_backend=backend)
             llm = LLM(d, dtype=dtype, device=device, block_size=16, max_model_len=256, max_num_seqs=8, **extra)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             worst, agree = compare(outs, prompts, plp, greedy)
@@ -145,6 +147,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    ap.add_argument("--attention-backend", default=None,
+                    help="force a backend (on CPU: TRITON_ATTN runs under TRITON_INTERPRET=1)")
     args = ap.parse_args()
     rows = []
     start = time.time()
@@ -154,7 +158,7 @@ def main() -> None:
                 print(f"budget spent: {name} {dtype} not run", flush=True)
                 continue
             try:
-                rows.append(check_family(name, dtype, args.device))
+                rows.append(check_family(name, dtype, args.device, args.attention_backend))
                 print(json.dumps(rows[-1]), flush=True)
             except Exception as e:  # one family failing must not hide the others
                 rows.append({"family": name, "dtype": dtype, "error": f"{type(e).__name__}: {e}",

@@ -66,8 +66,17 @@ def test_held_out_perplexity_is_low_and_equals_transformers(demo):
 def test_greedy_completions_are_the_recorded_ones(demo):
     name, _, llm = demo
     recorded = json.loads((DATA / "demo_completions.json").read_text())[name]
-    outs = llm.generate(list(recorded), SamplingParams(temperature=0.0, max_tokens=24))
-    assert {p: o.outputs[0].token_ids for p, o in zip(recorded, outs)} == recorded
+    outs = llm.generate(list(recorded), SamplingParams(temperature=0.0, max_tokens=24, logprobs=2))
+    for prompt, out in zip(recorded, outs):
+        ours, want = out.outputs[0].token_ids, recorded[prompt]
+        i = next((j for j, (a, b) in enumerate(zip(ours, want)) if a != b), None)
+        if i is None:
+            assert len(ours) == len(want)
+            continue
+        # another CPU's float32 rounding may only flip a near-tie: both tokens top-2, 1e-3 apart
+        top = out.outputs[0].logprobs[i]
+        assert want[i] in top, f"{prompt!r}: token {i} is {ours[i]}, recorded {want[i]}"
+        assert abs(top[ours[i]].logprob - top[want[i]].logprob) < 1e-3, f"{prompt!r} diverges at token {i}"
 
 
 def test_dsa_with_full_topk_is_dense_mla(tmp_path):
