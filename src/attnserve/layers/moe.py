@@ -9,13 +9,15 @@ What this file is:
 - ``FusedExperts``: all experts of a layer in two stacked weights, ``w13`` [E, 2I, H]
   ([gate | up] per expert) and ``w2`` [E, H, I], run as one grouped computation: token-expert
   pairs are sorted by expert and each expert's rows go through one matrix product. SwiGLU (or
-  another gated activation) and GPT-OSS's clamped SwiGLU.
+  another gated activation) and GPT-OSS's clamped SwiGLU. On CUDA, SwiGLU and the clamped form
+  run two grouped Triton kernels with no host sync (``attention/ops/triton_moe.py``), so MoE
+  decode steps can be CUDA-graphed.
 - ``GatedMLP`` (dense layers, shared experts), ``SparseMoE`` (router + experts: Mixtral,
   Qwen3-MoE, GPT-OSS) and ``DeepseekMoE`` (fp32 router with an optional correction bias,
   routed experts and shared experts: DeepSeek V2/V3, GLM-4.5, Kimi).
 
 What it is not: no expert parallelism (tensor parallelism splits the experts over the ranks:
-``runner/parallel.py``), no fused Triton/CUDA MoE kernel, no quantised expert
+``runner/parallel.py``), no quantised expert
 compute (FP8 block scales, MXFP4: ``models/gpt_oss.py`` dequantises MXFP4 when loading), no
 load-balancing losses, no Qwen2-MoE sigmoid-gated shared expert.
 """
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.layers.activation import gated, get_act_fn
+from attnserve.layers.fused import uses_kernel
 from attnserve.layers.linear import MergedLinear
 
 if TYPE_CHECKING:
@@ -120,6 +123,16 @@ def _limit_to_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
 
 # --- experts ------------------------------------------------------------------------------
 
+
+def _moe_kernels():
+    """``ops/triton_moe``, imported on first use; None where Triton is missing."""
+    try:
+        from attnserve.attention.ops import triton_moe
+    except ImportError:
+        return None
+    return triton_moe
+
+
 _EXPERT_NAME = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)$")
 _SHARD_ALIASES = dict(
     w1="gate", w3="up", w2="down", gate_proj="gate", up_proj="up", down_proj="down"
@@ -183,10 +196,38 @@ class FusedExperts(nn.Module):
         )
 
     # --- compute --------------------------------------------------------------------------
+    @property
+    def kernel_act(self) -> str | None:
+        """The activation's name in ``ops/triton_moe.py``, None where the kernel lacks it."""
+        if self.swiglu_limit is not None:
+            return "swiglu_clamped"
+        return "silu" if self.act is F.silu else None
+
+    def graph_safe(self, device: torch.device) -> bool:
+        """Whether the experts run without host syncs on ``device`` (the Triton kernels)."""
+        return device.type == "cuda" and self.kernel_act is not None and _moe_kernels() is not None
+
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """x [T, H], topk_weights [T, k], topk_ids [T, k] -> sum_j w_j * expert_j(x), [T, H]."""
+        """x [T, H], topk_weights [T, k], topk_ids [T, k] -> sum_j w_j * expert_j(x), [T, H].
+
+        On CUDA (or under ``override_impl("triton")``) the two grouped Triton kernels of
+        ``ops/triton_moe.py``; else ``_forward_torch``, their twin."""
+        if uses_kernel(x) and self.kernel_act is not None and _moe_kernels() is not None:
+            acc = _moe_kernels().fused_experts(
+                x, self.w13, self.w2, topk_weights, topk_ids - self.first_expert, act=self.kernel_act,
+                w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu_limit=self.swiglu_limit or 0.0,
+                swiglu_alpha=self.swiglu_alpha)
+            if self.all_reduce is not None:
+                acc = self.all_reduce(acc)
+            return acc.to(x.dtype)
+        return self._forward_torch(x, topk_weights, topk_ids)
+
+    def _forward_torch(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Pairs sorted by expert, one loop iteration per expert (sizes read on the host)."""
         t, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1) - self.first_expert  # [T*k] local expert ids
         if self.all_reduce is None:

@@ -23,6 +23,7 @@ from attnserve.kvcache.groups import KVCacheGroup, cache_entries, group_entries,
 from attnserve.kvcache.kv_cache_manager import KVCacheManager
 from attnserve.kvcache.offload import DiskTier, HostTier, OffloadManager
 from attnserve.kvcache.state import StatePool
+from attnserve.layers.moe import FusedExperts
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
@@ -222,10 +223,12 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
         if state_pool is not None else []
     offload, offload_io = _build_offload(config, groups, caches, state_caches, device)
     graphs = not config.model.enforce_eager and parallel is None
-    if graphs and arch.moe is not None and device.type == "cuda":
-        # the expert loop sizes its slices from the routing on the host (a sync), which a graph
-        # cannot replay: MoE models decode eagerly until the experts run in one device kernel
-        logger.info("CUDA graphs off: the MoE layers route on the host")
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    if graphs and device.type == "cuda" and not all(m.graph_safe(device) for m in experts):
+        # the PyTorch expert loop sizes its slices on the host (a sync) that a graph cannot
+        # replay; the Triton kernels (SwiGLU, GPT-OSS's clamp) do not
+        logger.info("CUDA graphs off: the MoE activation '%s' has no grouped kernel",
+                    next(m for m in experts if not m.graph_safe(device)).act)
         graphs = False
     runner = ModelRunner(model, arch, groups, backends, device, max_model_len=max_len,
                          max_num_seqs=config.scheduler.max_num_seqs,
