@@ -97,3 +97,16 @@ def test_engine_with_the_moe_kernels_matches_the_torch_path(family, tmp_path):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tid, lp in lb.items():
                 assert abs(la[tid].logprob - lp.logprob) < 1e-4
+
+
+def test_long_prefill_chunks_keep_the_loop():
+    from attnserve.layers.moe import KERNEL_MAX_TOKENS
+
+    ex = FusedExperts(4, 16, 16)
+    with override_impl("triton"):
+        assert ex._use_kernel(torch.zeros(KERNEL_MAX_TOKENS, 16))
+        assert not ex._use_kernel(torch.zeros(KERNEL_MAX_TOKENS + 1, 16))
+    assert not ex._use_kernel(torch.zeros(4, 16))  # CPU tensors: the loop
+    gelu = FusedExperts(4, 16, 16, act="gelu")
+    with override_impl("triton"):
+        assert not gelu._use_kernel(torch.zeros(4, 16))  # no kernel for this activation

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["DeepseekMoE", "FusedExperts", "GatedMLP", "SparseMoE", "select_experts"]
 
 Target = tuple[str, object] | str | None  # what a model's rename returns for load_named_weights
+KERNEL_MAX_TOKENS = 2048  # FusedExperts runs the grouped Triton kernels up to this many tokens
 
 
 # --- routing ------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class FusedExperts(nn.Module):
 
         On CUDA (or under ``override_impl("triton")``) the two grouped Triton kernels of
         ``ops/triton_moe.py``; else ``_forward_torch``, their twin."""
-        if uses_kernel(x) and self.kernel_act is not None and _moe_kernels() is not None:
+        if self._use_kernel(x):
             acc = _moe_kernels().fused_experts(
                 x, self.w13, self.w2, topk_weights, topk_ids - self.first_expert, act=self.kernel_act,
                 w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu_limit=self.swiglu_limit or 0.0,
@@ -223,6 +224,13 @@ class FusedExperts(nn.Module):
                 acc = self.all_reduce(acc)
             return acc.to(x.dtype)
         return self._forward_torch(x, topk_weights, topk_ids)
+
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        """The kernels for decode-sized batches (and whatever a CUDA graph captures); long
+        prefill chunks keep the loop, whose per-expert cuBLAS GEMMs are then efficient."""
+        if not (uses_kernel(x) and self.kernel_act is not None and _moe_kernels() is not None):
+            return False
+        return x.shape[0] <= KERNEL_MAX_TOKENS or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def _forward_torch(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

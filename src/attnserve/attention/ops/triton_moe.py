@@ -145,12 +145,15 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, pairs_ptr, tile_expert_pt
 # fmt: on
 
 
-def _blocks(dtype: torch.dtype) -> tuple[int, int, int]:
+def _blocks(dtype: torch.dtype, pairs_per_expert: float) -> tuple[int, int, int]:
+    """(block_m, block_n, block_k): tiles of ``block_m`` pairs read their expert's weights once
+    each, so bigger batches take taller tiles (decode: one 16-row tile per expert touched)."""
     if env.triton_interpret():  # few, large programs: the interpreter pays per program
         return 16, 64, 64
+    bm = 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 64 else 64
     if dtype == torch.float32:
-        return 16, 32, 32
-    return 16, 64, 64
+        return bm, 32, 32
+    return bm, 64, 64
 
 
 def fused_experts(
@@ -181,7 +184,7 @@ def fused_experts(
     t, k = local_ids.shape
     e, two_i, hidden = w13.shape
     inter = two_i // 2
-    bm, bn, bk = _blocks(x.dtype)
+    bm, bn, bk = _blocks(x.dtype, t * k / e)
     x = x.contiguous()
     pairs, tile_expert = align_pairs(local_ids.reshape(-1), e, bm)
     h = torch.empty(pairs.shape[0], inter, dtype=x.dtype, device=x.device)
