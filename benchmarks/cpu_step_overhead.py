@@ -15,10 +15,10 @@ around the engine's phases (here only: the engine carries no timing hooks) split
 
 "host" is everything but forward: what a GPU waits for each step when the host does its work
 serially. Times are the engine thread's CPU time (torch runs on that one thread), so another
-busy process on the machine disturbs them less than wall time; objects that exist before the
+busy process on the machine disturbs them less than wall time. Objects that exist before the
 runs are frozen out of the garbage collector (a full collection over torch's objects took
-~120 ms, landing in whichever phase it hit); the table takes the fastest of ``--repeats`` runs and gives milliseconds per step, for decode-only steps at batch >= 240 and
-for all steps.
+~120 ms, landing in whichever phase it hit). The table takes the fastest of ``--repeats`` runs
+and gives milliseconds per step, for decode-only steps at batch >= 240 and for all steps.
 
     python benchmarks/cpu_step_overhead.py [--repeats 3] [--no-detokenize] [--profile out.prof]
 """
@@ -119,6 +119,8 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[
 
 
 def run_once(llm: LLM, reqs, detokenize: bool, profile: cProfile.Profile | None = None) -> dict:
+    # every run starts from an empty prefix cache: repeats would otherwise hit earlier runs' prompts
+    assert llm.llm_engine.kv_manager.pool.reset_prefix_cache()
     timer = StepTimer(llm.llm_engine)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=detokenize) for _, o in reqs]

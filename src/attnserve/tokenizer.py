@@ -247,6 +247,18 @@ class ByteTokenizer(Tokenizer):
         return bos + list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = ids if isinstance(ids, (list, tuple)) else list(ids)
+        if not any(i in ids for i in self._special_names):
+            # Without special tokens, an id >= 256 decodes exactly as the byte 0xFF would: one
+            # U+FFFD that ends the byte run before it (never valid UTF-8, it ends any sequence)
+            try:
+                return bytes([i if i < 256 else 255 for i in ids]).decode("utf-8", errors="replace")
+            except ValueError:  # a negative id: the loop below names it
+                pass
+        return self._decode_runs(ids, skip_special_tokens)
+
+    def _decode_runs(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        """``decode`` one id at a time: the reference the fast path above must equal."""
         parts: list[str] = []
         run = bytearray()  # bytes since the last non-byte token; skipped specials do not cut it
         for token_id in ids:

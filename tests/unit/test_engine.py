@@ -131,6 +131,26 @@ def test_abort_frees_blocks_and_churn_keeps_integrity(llm):
     assert not engine.scheduler.requests
 
 
+def test_final_only_steps_return_the_same_final_outputs(llm):
+    # LLM.generate steps with final_only=True: no output for a request until it finishes, and
+    # then the very output that the streaming steps end with
+    engine = llm.llm_engine
+    prompts = ["def f():", "import sys", "x = [", "class B:"]
+    params = [greedy(max_tokens=n, logprobs=2, stop=[")"] if n == 9 else None) for n in (3, 9, 14, 6)]
+    finals = []
+    for final_only in (False, True):
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        got = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step(final_only=final_only):
+                assert out.finished or not final_only
+                got[out.request_id] = out
+        finals.append([got[i] for i in ids])
+    for a, b in zip(*finals):
+        assert a.finished and b.finished
+        assert a.outputs == b.outputs and a.prompt_token_ids == b.prompt_token_ids
+
+
 def test_cli_generate_prints_completion_and_throughput(capsys):
     assert main(["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "4", "--max-model-len", "128"]) == 0
     out = capsys.readouterr().out

@@ -343,6 +343,22 @@ def test_byte_tokenizer(tmp_path: Path) -> None:
         tok.apply_chat_template(CONVERSATIONS[0])
 
 
+def test_byte_tokenizer_decode_matches_the_id_by_id_loop() -> None:
+    # decode maps ids >= 256 to the byte 0xFF and decodes once when no special id is present;
+    # _decode_runs is its slow twin. Bytes of broken and complete multi-byte characters, ids
+    # >= 256 between them, special ids skipped or shown, all must agree.
+    tok = ByteTokenizer(400, bos_token_id=300, eos_token_id=301)
+    pieces = list(range(256)) + list("日😀é".encode()) * 20 + [0xC0, 0xED, 0xA0, 0xF5] * 5 + list(range(256, 400)) * 2
+    rng = random.Random(4)
+    for _ in range(5000):
+        ids = [rng.choice(pieces) for _ in range(rng.randint(0, 12))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok._decode_runs(ids, skip), ids
+    assert tok.decode(tuple(x for x in [104, 399, 105])) == "h\ufffdi"
+    with pytest.raises(ValueError, match="negative token id -1"):
+        tok.decode([104, -1])
+
+
 def test_byte_tokenizer_small_special_ids_are_bytes(tmp_path: Path) -> None:
     config = {"text_config": {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2}}
     (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -131,7 +131,9 @@ class LLMEngine:
         self.runner.shutdown()
 
     # --- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one step; returns the (cumulative) output of every request that got a token, or
+        with ``final_only`` of every request that finished (``LLM.generate`` reads no others)."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
@@ -153,8 +155,10 @@ class LLMEngine:
             touched[state.request_id] = state
         outputs = []
         for rid, state in touched.items():
-            outputs.append(state.to_output())
-            if state.finished:
+            finished = state.finished
+            if finished or not final_only:
+                outputs.append(state.to_output())
+            if finished:
                 del self.states[rid]
                 for c in state.completions:
                     self._forget(c.request.request_id)

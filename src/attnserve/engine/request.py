@@ -91,7 +91,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
-        self._update_block_hashes()
+        if len(self._all_token_ids) % self.block_size == 0:  # a block just filled up
+            self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         full = len(self._all_token_ids) // self.block_size

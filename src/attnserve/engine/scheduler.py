@@ -27,7 +27,7 @@ __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    block_ids: list[list[int]]  # per KV cache group
+    block_ids: list[list[int]]  # per KV cache group: the KV manager's own lists, valid for this step
     state_slot: int = 0  # hybrid models: the request's state slot (0: none)
 
     @property
@@ -118,7 +118,8 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), tuple(preempted), self.kv.take_state_copies(), jobs)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id), self.kv.state_slot(req.request_id))
+        rid = req.request_id
+        return ScheduledRequest(req, num_new, self.kv.live_block_ids(rid), self.kv.state_slot(rid))
 
     def _align(self, req: Request, start: int, num_new: int) -> int:
         """Hybrid models keep state snapshots at block boundaries, so a prefill step ends on one:
@@ -180,7 +181,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if tier_hit:
-                self.offload.prepare_load(req.request_id, tier_hit, self.kv.block_ids(req.request_id),
+                self.offload.prepare_load(req.request_id, tier_hit, self.kv.live_block_ids(req.request_id),
                                           num_cached // self.kv.block_size, self.kv.state_slot(req.request_id))
                 self.stats.offload_hit_tokens += loaded
             req.num_computed_tokens = num_cached + loaded
@@ -198,14 +199,15 @@ class Scheduler:
         """Account for an executed step: advance computed tokens, append sampled tokens, stop
         finished requests and free their blocks. Returns the requests that got a token."""
         progressed = []
+        snapshots = self.kv.snapshots_enabled
         for s in output.scheduled:
             req = s.request
-            if req.is_finished or req.status is not RequestStatus.RUNNING:
+            if req.status is not RequestStatus.RUNNING:  # finished (aborted, stopped) or preempted
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            snapshot = self.kv.snapshot_state(req)
+            snapshot = self.kv.snapshot_state(req) if snapshots else None
             if self.offload is not None and req.cacheable:
-                self.offload.prepare_store(req.request_id, req.block_hashes, self.kv.block_ids(req.request_id),
+                self.offload.prepare_store(req.request_id, req.block_hashes, self.kv.live_block_ids(req.request_id),
                                            req.num_computed_tokens)
                 if snapshot is not None:
                     self.offload.prepare_state_store(*snapshot)

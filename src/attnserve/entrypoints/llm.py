@@ -89,7 +89,7 @@ class LLM:
         bar = _progress(len(order)) if use_tqdm else None
         generated = 0
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step(final_only=True):
                 if out.finished:
                     finals[out.request_id] = out
                     generated += sum(len(c.token_ids) for c in out.outputs)

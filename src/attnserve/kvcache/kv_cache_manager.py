@@ -30,6 +30,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.managers: list[SingleTypeManager] = [create_manager(g, self.pool) for g in groups]
+        self._no_hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in groups)  # never filled
         # hybrid models: per-sequence state slots, and snapshots at block boundaries
         self.state_pool = state_pool
         self._restore: dict[str, int] = {}  # request -> snapshot slot its prefix hit restores
@@ -103,17 +104,19 @@ class KVCacheManager:
         Returns:
             False when the pool cannot hold them (the caller preempts or waits); True otherwise.
         """
-        new_computed = new_computed_blocks or [[] for _ in self.managers]
+        new_computed = new_computed_blocks or self._no_hits
         rid = request.request_id
         for m in self.managers:
             m.remove_skipped_blocks(rid, request.num_computed_tokens)
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        needed = sum(m.num_blocks_to_allocate(rid, total_tokens, hits)
-                     for m, hits in zip(self.managers, new_computed))
-        if needed > self.pool.num_free_blocks:
+        needed = 0
+        for m, hits in zip(self.managers, new_computed):
+            needed += m.num_blocks_to_allocate(rid, total_tokens, hits)
+        if needed and needed > self.pool.num_free_blocks:
             return False
         for m, hits in zip(self.managers, new_computed):
-            m.save_new_computed_blocks(rid, hits)
+            if hits:
+                m.save_new_computed_blocks(rid, hits)
             m.allocate_new_blocks(rid, total_tokens)
         if self.state_pool is not None and rid not in self.state_pool.slot_of:
             slot = self.state_pool.allocate(rid)
@@ -168,7 +171,13 @@ class KVCacheManager:
         return copies
 
     def block_ids(self, request_id: str) -> list[list[int]]:
-        return [[b.block_id for b in m.blocks_of(request_id)] for m in self.managers]
+        """A copy of the request's block ids per group."""
+        return [list(m.block_ids_of(request_id)) for m in self.managers]
+
+    def live_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block ids per group as the managers' own lists (no copy): they change
+        when blocks are allocated, dropped or freed, so read them before the next schedule."""
+        return [m.block_ids_of(request_id) for m in self.managers]
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks one sequence of ``num_tokens`` needs at once, over every group."""
@@ -178,6 +187,8 @@ class KVCacheManager:
         """Pool consistency, and each block's ref count equals the requests that hold it."""
         owners: dict[int, int] = {}
         for m in self.managers:
+            assert {rid: [b.block_id for b in blocks] for rid, blocks in m.req_to_blocks.items()} \
+                == m.req_to_block_ids, "block id lists out of step with the blocks"
             for blocks in m.req_to_blocks.values():
                 for b in blocks:
                     if not b.is_null:

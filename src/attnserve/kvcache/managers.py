@@ -34,6 +34,9 @@ class SingleTypeManager:
         self.block_size = group.block_size
         self.pool = pool
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # the same blocks' ids, kept in step with req_to_blocks: the scheduler hands these lists
+        # to the runner each step instead of building them anew
+        self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
 
     # --- policy hooks ----------------------------------------------------------------------
@@ -52,10 +55,16 @@ class SingleTypeManager:
     def blocks_of(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
 
+    def block_ids_of(self, request_id: str) -> list[int]:
+        """The ids of the request's blocks: the manager's own list, changed as blocks come and go."""
+        return self.req_to_block_ids.get(request_id, [])
+
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed: list[KVCacheBlock]) -> int:
         """Free-pool blocks that giving the request ``num_tokens`` tokens would consume."""
-        required = math.ceil(num_tokens / self.block_size)
-        have = len(self.blocks_of(request_id)) + len(new_computed)
+        required = -(-num_tokens // self.block_size)
+        have = len(self.req_to_blocks.get(request_id, ())) + len(new_computed)
+        if not new_computed:
+            return max(required - have, 0)
         # cache hits that sit in the free queue leave it when taken
         evictable_hits = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
         return max(required - have, 0) + evictable_hits
@@ -67,26 +76,46 @@ class SingleTypeManager:
             "cache hits are only taken by requests that hold no blocks yet"
         self.pool.touch(new_computed)
         self.req_to_blocks[request_id] = list(new_computed)
+        self.req_to_block_ids[request_id] = [b.block_id for b in new_computed]
         self.num_cached_blocks[request_id] = len(new_computed)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        required = math.ceil(num_tokens / self.block_size)
-        new = self.pool.get_new_blocks(max(required - len(blocks), 0))
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+            self.req_to_block_ids[request_id] = []
+        num_new = -(-num_tokens // self.block_size) - len(blocks)
+        if num_new <= 0:  # a running request's next tokens mostly fit its last block
+            return []
+        new = self.pool.get_new_blocks(num_new)
         blocks.extend(new)
+        self.req_to_block_ids[request_id].extend(b.block_id for b in new)
         return new
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Index the request's blocks that are full once ``num_tokens`` tokens are computed."""
-        blocks = self.blocks_of(request_id)
         start = self.num_cached_blocks.get(request_id, 0)
+        if num_tokens // self.block_size <= start:  # no block filled up since the last call
+            return
+        blocks = self.blocks_of(request_id)
         end = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
         for i in range(start, end):
             self.pool.cache_block(blocks[i], block_hashes[i], self.group_id)
         self.num_cached_blocks[request_id] = max(start, end)
 
+    def _drop(self, request_id: str, indices: Sequence[int]) -> list[KVCacheBlock]:
+        """Put the null block at ``indices`` of the request's blocks; returns the blocks taken out."""
+        blocks, ids = self.blocks_of(request_id), self.req_to_block_ids.get(request_id)
+        dropped = []
+        for i in indices:
+            dropped.append(blocks[i])
+            blocks[i] = self.pool.null_block
+            ids[i] = 0
+        return dropped
+
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, [])
+        self.req_to_block_ids.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))  # tail first: the prefix stays cached longest
 
@@ -142,12 +171,7 @@ class SlidingWindowManager(SingleTypeManager):
         return sum(1 for i in self._skippable(request_id, num_computed_tokens) if blocks[i].ref_cnt == 1)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        blocks = self.blocks_of(request_id)
-        dropped = []
-        for i in self._skippable(request_id, num_computed_tokens):
-            dropped.append(blocks[i])
-            blocks[i] = self.pool.null_block
-        self.pool.free_blocks(dropped)
+        self.pool.free_blocks(self._drop(request_id, self._skippable(request_id, num_computed_tokens)))
 
 
 class StreamingManager(SingleTypeManager):
@@ -173,12 +197,8 @@ class StreamingManager(SingleTypeManager):
         return sum(1 for i in self._skippable(request_id, num_computed_tokens) if blocks[i].ref_cnt == 1)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        blocks = self.blocks_of(request_id)
-        dropped = []
-        for i in reversed(self._skippable(request_id, num_computed_tokens)):
-            dropped.append(blocks[i])
-            blocks[i] = self.pool.null_block
-        self.pool.free_blocks(dropped)
+        skipped = self._skippable(request_id, num_computed_tokens)
+        self.pool.free_blocks(self._drop(request_id, skipped[::-1]))
 
 
 def create_manager(group: KVCacheGroup, pool: BlockPool) -> SingleTypeManager:

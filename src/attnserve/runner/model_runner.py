@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from attnserve.arch import ModelArch
@@ -20,6 +21,7 @@ from attnserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from attnserve.kvcache.groups import KVCacheGroup
 from attnserve.layers.rotary import RotaryEmbedding
 from attnserve.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from attnserve.runner.block_table import BlockTables
 from attnserve.runner.forward_context import ForwardContext, forward_context
 from attnserve.runner.offload_io import written_blocks
 
@@ -53,6 +55,7 @@ class ModelRunner:
         self.backends = backends
         self.device = device
         self.block_size = groups[0].block_size
+        self.block_tables = BlockTables([g.policy == "full" for g in groups], num_rows=max_num_seqs)
         self.sampler = Sampler()
         for m in model.modules():  # RoPE tables sized once: no per-step host syncs
             if isinstance(m, RotaryEmbedding):
@@ -71,52 +74,52 @@ class ModelRunner:
 
     # --- inputs -----------------------------------------------------------------------------
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, ForwardContext]:
-        bs = self.block_size
+        """Flat token ids and the step's metadata; per-token arrays are built with numpy from
+        each request's start and length, block tables from the persistent rows."""
+        n = len(scheduled)
+        starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, n)
+        query_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+        seq_lens = starts + query_lens
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
         ids: list[int] = []
-        pos: list[int] = []
-        qsl = [0]
-        seq_lens = []
-        slot_maps: list[list[int]] = [[] for _ in self.groups]
         for s in scheduled:
-            start, n = s.start, s.num_new_tokens
-            ids.extend(s.request.all_token_ids[start:start + n])
-            pos.extend(range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            for g, blocks in enumerate(s.block_ids):
-                slot_maps[g].extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-        dev = self.device
-        block_tables = []
-        for g in range(len(self.groups)):
-            width = max(1, max(len(s.block_ids[g]) for s in scheduled))
-            rows = [s.block_ids[g] + [0] * (width - len(s.block_ids[g])) for s in scheduled]
-            block_tables.append(torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True))
-        num_decodes = 0
-        while num_decodes < len(scheduled) and scheduled[num_decodes].num_new_tokens == 1:
-            num_decodes += 1
-        state_decodes = 0
-        while state_decodes < num_decodes and scheduled[state_decodes].start > 0:
-            state_decodes += 1
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+            start, k = s.request.num_computed_tokens, s.num_new_tokens
+            if k == 1:
+                ids.append(s.request.all_token_ids[start])
+            else:
+                ids.extend(s.request.all_token_ids[start:start + k])
+        req_of_token = np.repeat(np.arange(n), query_lens)  # [T]
+        positions = np.arange(len(ids)) - np.repeat(qsl[:-1] - starts, query_lens)  # [T] start + offset
+        rows, widths = self.block_tables.update(scheduled)
+        token_rows = rows[req_of_token]
+        tables = self.block_tables
+        block_tables = [self._to_device(tables.gather(g, rows, widths[g])) for g in range(len(self.groups))]
+        slot_mappings = [self._to_device(tables.slots(g, token_rows, positions, self.block_size))
+                         for g in range(len(self.groups))]
+        num_decodes = _leading_true(query_lens == 1)
         common = CommonAttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev), seq_lens=seq_lens_t,
-            positions=positions, block_tables=block_tables,
-            slot_mappings=[torch.tensor(m, dtype=torch.int64, device=dev) for m in slot_maps],
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_decodes=num_decodes,
-            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))), max_seq_len=max(seq_lens))
+            query_start_loc=self._to_device(qsl.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)), positions=self._to_device(positions), block_tables=block_tables, slot_mappings=slot_mappings,
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(), num_decodes=num_decodes,
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
         if self.state_caches:
-            common.state_slots = torch.tensor([s.state_slot for s in scheduled], dtype=torch.int64, device=dev)
-            common.has_initial_state = torch.tensor([s.start > 0 for s in scheduled], dtype=torch.bool, device=dev)
-            common.num_state_decodes = state_decodes
+            slots = np.fromiter((s.state_slot for s in scheduled), np.int64, n)
+            common.state_slots = self._to_device(slots)
+            common.has_initial_state = self._to_device(starts > 0)
+            common.num_state_decodes = _leading_true(starts[:num_decodes] > 0)
         # length-dependent RoPE (dynamic NTK, longrope) sees each request's whole known length,
         # as one forward over the full prompt would: chunking a prefill does not change it
-        query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(seq_lens))], device=dev)
-        rope_lens = torch.tensor([s.request.num_tokens for s in scheduled], dtype=torch.int64, device=dev)
-        token_seq_lens = torch.repeat_interleave(rope_lens, query_lens)
+        rope_lens = np.fromiter((s.request.num_tokens for s in scheduled), np.int64, n)
+        token_seq_lens = self._to_device(rope_lens[req_of_token])
         metas = [b.build_metadata(common, g) for g, b in enumerate(self.backends)]
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        input_ids = self._to_device(np.array(ids, dtype=np.int64))
         return input_ids, ForwardContext(common=common, attn_metadata=metas, token_seq_lens=token_seq_lens)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array (made for this step only) as a tensor on the device."""
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
 
     # --- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -208,3 +211,8 @@ class ModelRunner:
         lp = gather_logprobs(logprobs, targets, k)
         result.prompt_logprobs[req.request_id] = [
             (lp.token_ids[j].tolist(), lp.logprobs[j].tolist(), int(lp.ranks[j])) for j in range(last - first)]
+
+
+def _leading_true(mask: np.ndarray) -> int:
+    """How many entries at the start of ``mask`` are True."""
+    return len(mask) if mask.all() else int(np.argmin(mask))
