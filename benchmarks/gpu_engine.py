@@ -84,17 +84,18 @@ def throughput_attnserve(reqs) -> dict:
     # tokenizer nearly every id is U+FFFD, which incremental detokenisation re-decodes per step
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False) for _, o in reqs]
     llm.generate(prompts[:8], params[:8])  # warm-up
+    stats = llm.llm_engine.scheduler.stats
+    steps0, preempt0 = stats.steps, stats.num_preemptions  # the warm-up's, left out below
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    stats = llm.llm_engine.scheduler.stats
     del llm
     torch.cuda.empty_cache()
     return {"elapsed_s": elapsed, "output_tokens": out_tokens, "tok_s": out_tokens / elapsed,
-            "steps": stats.steps, "preemptions": stats.num_preemptions}
+            "steps": stats.steps - steps0, "preemptions": stats.num_preemptions - preempt0}
 
 
 def throughput_hf(reqs, batch: int = 256) -> dict:
