@@ -24,6 +24,7 @@ load-balancing losses, no Qwen2-MoE sigmoid-gated shared expert.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -125,6 +126,7 @@ def _limit_to_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
 # --- experts ------------------------------------------------------------------------------
 
 
+@functools.cache
 def _moe_kernels():
     """``ops/triton_moe``, imported on first use; None where Triton is missing."""
     try:

@@ -12,6 +12,7 @@ What it is not: the projections, the gated RMSNorm and the output projection (th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,23 @@ class StateMetadata:
     @property
     def num_prefills(self) -> int:
         return self.prefill_slots.shape[0]
+
+    def split(self, decode: Callable[[slice], torch.Tensor], prefill: Callable[[slice], torch.Tensor]
+              ) -> torch.Tensor:
+        """``decode(tokens)`` on the decode tokens and ``prefill(tokens)`` on the prefill tokens
+        (each given the slice of the step's tokens it owns), outputs in token order."""
+        nd = self.num_decodes
+        outs = []
+        if nd:
+            outs.append(decode(slice(None, nd)))
+        if self.num_prefills:
+            outs.append(prefill(slice(nd, None)))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def prefill_args(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments every chunked prefill form takes from the step."""
+        return dict(query_start_loc=self.prefill_query_start_loc, state_indices=self.prefill_slots,
+                    has_initial_state=self.prefill_has_initial_state)
 
     def chunk_size(self, largest: int) -> int:
         """Tokens per chunk (block) of a prefill form: ``largest``, or the power of two that
@@ -94,28 +112,10 @@ def conv_forward(
     Returns:
         [T, C] in the dtype of ``x``.
     """
-    nd = metadata.num_decodes
-    outs = []
-    if nd:
-        outs.append(
-            causal_conv1d_update(
-                x[:nd], weight, bias, conv_state, state_indices=metadata.decode_slots, silu=True
-            )
-        )
-    if metadata.num_prefills:
-        outs.append(
-            causal_conv1d_prefill(
-                x[nd:],
-                weight,
-                bias,
-                conv_state,
-                query_start_loc=metadata.prefill_query_start_loc,
-                state_indices=metadata.prefill_slots,
-                has_initial_state=metadata.prefill_has_initial_state,
-                silu=True,
-            )
-        )
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    md = metadata
+    return md.split(
+        lambda s: causal_conv1d_update(x[s], weight, bias, conv_state, state_indices=md.decode_slots, silu=True),
+        lambda s: causal_conv1d_prefill(x[s], weight, bias, conv_state, **md.prefill_args(), silu=True))
 
 
 class TorchGDNBackend(AttentionBackend):
@@ -157,36 +157,9 @@ class TorchGDNBackend(AttentionBackend):
         q = q.reshape(t, layer.num_k_heads, layer.head_k_dim)  # [T, Hk, dk]
         k = k.reshape(t, layer.num_k_heads, layer.head_k_dim)
         v = v.reshape(t, layer.num_v_heads, layer.head_v_dim)  # [T, Hv, dv]
-        state = state_cache.recurrent[0]
-        nd = metadata.num_decodes
-        outs = []
-        if nd:
-            outs.append(
-                gated_delta_decode(
-                    q[:nd],
-                    k[:nd],
-                    v[:nd],
-                    g[:nd],
-                    beta[:nd],
-                    state,
-                    state_indices=metadata.decode_slots,
-                    use_qk_l2norm=True,
-                )
-            )
-        if metadata.num_prefills:
-            outs.append(
-                gated_delta_prefill(
-                    q[nd:],
-                    k[nd:],
-                    v[nd:],
-                    g[nd:],
-                    beta[nd:],
-                    state,
-                    query_start_loc=metadata.prefill_query_start_loc,
-                    state_indices=metadata.prefill_slots,
-                    has_initial_state=metadata.prefill_has_initial_state,
-                    use_qk_l2norm=True,
-                    chunk_size=metadata.chunk_size(64),
-                )
-            )
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        state, md = state_cache.recurrent[0], metadata
+        return md.split(
+            lambda s: gated_delta_decode(q[s], k[s], v[s], g[s], beta[s], state, state_indices=md.decode_slots,
+                                         use_qk_l2norm=True),
+            lambda s: gated_delta_prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
+                                          use_qk_l2norm=True, chunk_size=md.chunk_size(64)))

@@ -58,36 +58,9 @@ class TorchKDABackend(AttentionBackend):
             conv_forward(x, w, None, conv, metadata).view(t, h, d)  # [T, H, d]
             for x, w, conv in zip((q, k, v), layer.conv_weights, state_cache.conv)
         )
-        state = state_cache.recurrent[0]
-        nd = metadata.num_decodes
-        outs = []
-        if nd:
-            outs.append(
-                kda_decode(
-                    q[:nd],
-                    k[:nd],
-                    v[:nd],
-                    g[:nd],
-                    beta[:nd],
-                    state,
-                    state_indices=metadata.decode_slots,
-                    use_qk_l2norm=True,
-                )
-            )
-        if metadata.num_prefills:
-            outs.append(
-                kda_prefill(
-                    q[nd:],
-                    k[nd:],
-                    v[nd:],
-                    g[nd:],
-                    beta[nd:],
-                    state,
-                    query_start_loc=metadata.prefill_query_start_loc,
-                    state_indices=metadata.prefill_slots,
-                    has_initial_state=metadata.prefill_has_initial_state,
-                    use_qk_l2norm=True,
-                    chunk_size=metadata.chunk_size(64),
-                )
-            )
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        state, md = state_cache.recurrent[0], metadata
+        return md.split(
+            lambda s: kda_decode(q[s], k[s], v[s], g[s], beta[s], state, state_indices=md.decode_slots,
+                                 use_qk_l2norm=True),
+            lambda s: kda_prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
+                                  use_qk_l2norm=True, chunk_size=md.chunk_size(64)))

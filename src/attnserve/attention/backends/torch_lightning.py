@@ -50,28 +50,8 @@ class TorchLightningBackend(AttentionBackend):
         Returns:
             [T, H, dv] in the dtype of ``v``.
         """
-        state = state_cache.recurrent[0]
-        rates = layer.decay_rates
-        nd = metadata.num_decodes
-        outs = []
-        if nd:
-            outs.append(
-                lightning_attention_decode(
-                    q[:nd], k[:nd], v[:nd], rates, state, state_indices=metadata.decode_slots
-                )
-            )
-        if metadata.num_prefills:
-            outs.append(
-                lightning_attention_prefill(
-                    q[nd:],
-                    k[nd:],
-                    v[nd:],
-                    rates,
-                    state,
-                    query_start_loc=metadata.prefill_query_start_loc,
-                    state_indices=metadata.prefill_slots,
-                    has_initial_state=metadata.prefill_has_initial_state,
-                    block_size=metadata.chunk_size(layer.block_size),
-                )
-            )
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        state, rates, md = state_cache.recurrent[0], layer.decay_rates, metadata
+        return md.split(
+            lambda s: lightning_attention_decode(q[s], k[s], v[s], rates, state, state_indices=md.decode_slots),
+            lambda s: lightning_attention_prefill(q[s], k[s], v[s], rates, state, **md.prefill_args(),
+                                                  block_size=md.chunk_size(layer.block_size)))

@@ -50,38 +50,9 @@ class TorchMambaBackend(AttentionBackend):
         xc = conv_forward(x, layer.conv_weight, layer.conv_bias, state_cache.conv[0], metadata)
         dt, b, c = layer.ssm_params(xc)
         a, d = layer.A, layer.D
-        state = state_cache.recurrent[0]
-        nd = metadata.num_decodes
-        outs = []
-        if nd:
-            outs.append(
-                selective_scan_decode(
-                    xc[:nd],
-                    dt[:nd],
-                    a,
-                    b[:nd],
-                    c[:nd],
-                    d,
-                    z[:nd],
-                    state,
-                    state_indices=metadata.decode_slots,
-                )
-            )
-        if metadata.num_prefills:
-            outs.append(
-                selective_scan_prefill(
-                    xc[nd:],
-                    dt[nd:],
-                    a,
-                    b[nd:],
-                    c[nd:],
-                    d,
-                    z[nd:],
-                    state,
-                    query_start_loc=metadata.prefill_query_start_loc,
-                    state_indices=metadata.prefill_slots,
-                    has_initial_state=metadata.prefill_has_initial_state,
-                    chunk_size=metadata.chunk_size(128),
-                )
-            )
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        state, md = state_cache.recurrent[0], metadata
+        return md.split(
+            lambda s: selective_scan_decode(xc[s], dt[s], a, b[s], c[s], d, z[s], state,
+                                            state_indices=md.decode_slots),
+            lambda s: selective_scan_prefill(xc[s], dt[s], a, b[s], c[s], d, z[s], state, **md.prefill_args(),
+                                             chunk_size=md.chunk_size(128)))

@@ -156,31 +156,24 @@ def _chunks(total: int, per_item: int):
         yield start, min(start + step, total)
 
 
-class SparseLatentBackend(AttentionBackend):
-    """What the sparse-MLA backends share: ``forward`` writes the step's new latent rows, then
-    ``attend`` (each backend's own) reads the selected rows; the host-latent wrapper calls
-    ``attend`` alone over its staged rows."""
+def write_and_attend(backend, layer, q: torch.Tensor, k: torch.Tensor, kv_cache, metadata,
+                     topk_indices: torch.Tensor | None) -> torch.Tensor:
+    """The sparse-MLA backends' ``forward``: write the step's new latent rows ``k``, then run the
+    backend's ``attend`` over the selected rows (the host-latent wrapper calls ``attend`` alone,
+    over its staged rows).
 
-    def forward(self, layer, q, k, v, kv_cache, metadata, *, topk_indices: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """Write the new latent rows ``k`` and attend over the selected rows of each query.
-
-        ``q``, ``k``, ``v`` and the result have TORCH_MLA's meanings; ``topk_indices`` [T, K]
-        holds absolute positions (-1 unused) from ``select_topk`` or, on a GLM-5 "shared"
-        layer, from the previous full layer. Returns [T, H, d_v] in q's dtype.
-        """
-        if topk_indices is None:
-            raise ValueError(f"{self.name} attends over top-k indices: pass topk_indices")
-        cache = kv_cache["latent"]
-        write_latent_rows(cache, k, metadata.slot_mapping, layer.kv_lora_rank)
-        return self.attend(layer, q, cache, metadata, topk_indices)
-
-    def attend(self, layer, q: torch.Tensor, cache: torch.Tensor, metadata, topk_indices: torch.Tensor
-               ) -> torch.Tensor:
-        raise NotImplementedError
+    ``q``, ``k`` and the result have TORCH_MLA's meanings; ``topk_indices`` [T, K] holds absolute
+    positions (-1 unused) from ``select_topk`` or, on a GLM-5 "shared" layer, from the previous
+    full layer. Returns [T, H, d_v] in q's dtype.
+    """
+    if topk_indices is None:
+        raise ValueError(f"{backend.name} attends over top-k indices: pass topk_indices")
+    cache = kv_cache["latent"]
+    write_latent_rows(cache, k, metadata.slot_mapping, layer.kv_lora_rank)
+    return backend.attend(layer, q, cache, metadata, topk_indices)
 
 
-class TorchMLASparseBackend(SparseLatentBackend):
+class TorchMLASparseBackend(AttentionBackend):
     name = "TORCH_MLA_SPARSE"
 
     def __init__(self, block_size: int):
@@ -253,6 +246,10 @@ class TorchMLASparseBackend(SparseLatentBackend):
                 scores = index_scores(q[None, a:b], weights[None, a:b], rows)[0]  # [Q, S]
                 out[a:b] = _topk(scores, key_pos[None, :] <= pos[a:b, None], topk)
         return out
+
+    def forward(self, layer, q, k, v, kv_cache, metadata: TorchMLASparseMetadata, *,
+                topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+        return write_and_attend(self, layer, q, k, kv_cache, metadata, topk_indices)
 
     def attend(
         self,

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.torch_mla_sparse import SparseLatentBackend, write_indexer_rows
+from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backends.torch_mla_sparse import write_and_attend, write_indexer_rows
 from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.attention.ops.triton_mla_sparse import lightning_indexer_topk, sparse_mla
@@ -55,7 +56,7 @@ def _chunks(start: int, end: int, per_item: int):
         yield a, min(a + step, end)
 
 
-class TritonMLASparseBackend(SparseLatentBackend):
+class TritonMLASparseBackend(AttentionBackend):
     name = "TRITON_MLA_SPARSE"
 
     def __init__(self, block_size: int):
@@ -124,6 +125,10 @@ class TritonMLASparseBackend(SparseLatentBackend):
                     max_query_len=b - a, max_seq_len=seq_len,
                 )  # fmt: skip
         return out
+
+    def forward(self, layer, q, k, v, kv_cache, metadata: TritonMLASparseMetadata, *,
+                topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+        return write_and_attend(self, layer, q, k, kv_cache, metadata, topk_indices)
 
     def attend(
         self,
