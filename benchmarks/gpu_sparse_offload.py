@@ -280,8 +280,28 @@ def check_engine(path: str, args) -> dict:
         got[flag] = (sample.token_ids, logprobs(out.prompt_logprobs[1:]), logprobs(sample.logprobs))
         del llm, out, sample
         release()
-    return {"check": f"engine, prompt {n}", "exact": got[True] == got[False],
+    gap = first_difference(got)
+    # On CPU (``--smoke``) two engines in one process are not always equal bit for bit, with or
+    # without the flag (seen in CI, and here with 4 threads on 2 cores: one prompt logprob 1 ulp
+    # apart in about one run of ten; CPU math library threading): there the check asks for the
+    # same tokens and logprobs within 1e-5. On CUDA it is bit for bit.
+    exact = not gap or (args.smoke and gap.get("max_abs_gap", math.inf) <= 1e-5)
+    return {"check": f"engine, prompt {n}", "exact": exact, **gap,
             "device_request_s": seconds[False], "host_request_s": seconds[True]}
+
+
+def first_difference(got: dict) -> dict:
+    """Where the host engine's output first departs from the device engine's (empty if nowhere),
+    with the largest logprob gap at that position."""
+    (dev_tok, dev_prompt, dev_sample), (host_tok, host_prompt, host_sample) = got[False], got[True]
+    if dev_tok != host_tok:
+        return {"differs": "tokens", "device_tokens": dev_tok, "host_tokens": host_tok}
+    for part, a, b in (("prompt logprobs", dev_prompt, host_prompt), ("sample logprobs", dev_sample, host_sample)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                gap = max((abs(x[t] - y[t]) for t in x.keys() & y.keys()), default=math.inf)
+                return {"differs": f"{part} at position {i}", "max_abs_gap": gap}
+    return {}
 
 
 def builds(path: str, flag: bool, max_model_len: int, budget_gib: float) -> bool:
@@ -339,7 +359,7 @@ def capacity(path: str, args, layers: int) -> dict:
 
 
 def print_tables(results: dict) -> None:
-    print("\nchecks (host == device, bit for bit):")
+    print("\nchecks (host == device, bit for bit; --smoke: logprobs within 1e-5):")
     for c in results["checks"]:
         print(f"  {c['check']:<24} {'exact' if c['exact'] else 'DIFFERS'}")
     cap = results["capacity"]
