@@ -267,6 +267,11 @@ class ModelArch:
     def is_mla(self) -> bool:
         return any(s.kind.is_mla for s in self.layers)
 
+    @property
+    def quantization_config(self) -> Mapping[str, Any] | None:
+        """The checkpoint's ``quantization_config`` as written (``models/quantized.py`` reads it)."""
+        return self.hf_config.get("quantization_config")
+
     # --- construction ----------------------------------------------------------------------
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
@@ -346,7 +351,7 @@ def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:  # noqa: C901
     if isinstance(text, Mapping):
         cfg = dict(text)
         cfg.setdefault("model_type", config.get("model_type"))
-        for key in ("tie_word_embeddings", "torch_dtype", "dtype"):
+        for key in ("tie_word_embeddings", "torch_dtype", "dtype", "quantization_config"):
             if key not in cfg and key in config:
                 cfg[key] = config[key]
     else:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from attnserve.arch import ModelArch, MoESpec
 from attnserve.layers.moe import DeepseekMoE, FusedExperts, GatedMLP, SparseMoE, select_experts
-from attnserve.models.gpt_oss import _dequantized, dequantize_mxfp4
+from attnserve.models.quantized import QuantScheme, dequantize_mxfp4, dequantized_weights
 from attnserve.models.weights import load_named_weights
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -419,24 +419,28 @@ def test_mxfp4_dequantisation_matches_transformers():
     ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
     ours = dequantize_mxfp4(blocks, scales, dtype=torch.float32)  # [E, out, in]
     assert torch.equal(ours.transpose(1, 2), ref)
+    mxfp4 = QuantScheme("mxfp4")
     items = dict(
-        _dequantized(
+        dequantized_weights(
             [
                 ("a.gate_up_proj_blocks", blocks),
                 ("a.bias", scales),
                 ("a.gate_up_proj_scales", scales),
-            ]
+            ],
+            mxfp4,
+            torch.float32,
         )
     )
     assert set(items) == {"a.bias", "a.gate_up_proj"} and torch.equal(
         items["a.gate_up_proj"].float(), ref
     )
-    with pytest.raises(ValueError, match="without their blocks or scales"):
-        dict(_dequantized([("a.down_proj_blocks", blocks)]))
+    with pytest.raises(ValueError, match="'a.down_proj_blocks' .* has no 'a.down_proj_scales'"):
+        dict(dequantized_weights([("a.down_proj_blocks", blocks)], mxfp4, torch.float32))
 
 
 def test_gpt_oss_loads_mxfp4_experts():
-    """A checkpoint with ``*_blocks``/``*_scales`` experts loads as its dequantised bf16 twin."""
+    """A checkpoint with ``*_blocks``/``*_scales`` experts loads (through ``models/quantized.py``)
+    as its dequantised twin."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -472,7 +476,7 @@ def test_gpt_oss_loads_mxfp4_experts():
             quantised[name] = dense[name]
     arch = ModelArch.from_hf(cfg.to_dict())
     ours, twin = GptOssForCausalLM(arch), GptOssForCausalLM(arch)
-    ours.load_weights(sorted(quantised.items()))
+    ours.load_weights(dequantized_weights(sorted(quantised.items()), QuantScheme("mxfp4"), torch.float32))
     twin.load_weights({**{k: v for k, v in dense.items() if k not in expected}, **expected}.items())
     for (name, a), (_, b) in zip(ours.named_parameters(), twin.named_parameters(), strict=True):
         assert torch.equal(a, b), name

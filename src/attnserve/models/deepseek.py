@@ -11,8 +11,8 @@ the model threads each layer's top-k to the next, so that a GLM-5 "shared" layer
 previous full layer's selection (None before the first sparse layer and for dense MLA).
 
 Not here: the multi-token-prediction layer that V3 / V3.2 / GLM-5 checkpoints carry after the
-last layer (its weights are skipped), FP8 block-quantised checkpoint weights
-(``weight_scale_inv``).
+last layer (its weights are skipped). FP8 block-quantised checkpoints (``weight_scale_inv``)
+reach ``load_weights`` already dequantised (``models/quantized.py``).
 """
 
 from __future__ import annotations

@@ -9,17 +9,18 @@ What this file is: the decoder, in the Llama shape, with GPT-OSS's differences:
 - a ``SparseMoE`` on every layer: a router with a bias, a softmax over the top-k logits, and
   experts with biases and the clamped SwiGLU ``(up + 1) * gate * sigmoid(alpha * gate)``;
 - loading the experts from the fused checkpoint layout (``gate_up_proj`` [E, H, 2I] with gate and
-  up interleaved, ``down_proj`` [E, I, H], plus biases) or from the released MXFP4 checkpoints
-  (``*_blocks`` + ``*_scales``), dequantised at load time.
+  up interleaved, ``down_proj`` [E, I, H], plus biases). The released MXFP4 checkpoints
+  (``*_blocks`` + ``*_scales``) reach it in that layout, dequantised as they are read
+  (``models/quantized.py``).
 
 What it is not: an MXFP4 compute path (experts run in the model dtype, so gpt-oss-20b takes
-about 40 GB in bf16), the harmony chat format, or reasoning-effort controls.
+about 42 GB in bf16), the harmony chat format, or reasoning-effort controls.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from attnserve.models.llama import LlamaAttention, LlamaOptions
 from attnserve.models.moe_families import rename_decoder_weight
 from attnserve.models.weights import load_named_weights
 
-__all__ = ["GptOssForCausalLM", "dequantize_mxfp4"]
+__all__ = ["GptOssForCausalLM"]
 
 _LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.*)$")
 # fused expert tensors of the checkpoint -> (FusedExperts parameter, shard layout)
@@ -41,25 +42,6 @@ _EXPERT_TENSORS = {
     "down_proj": ("w2", "down_transposed"),
     "down_proj_bias": ("w2_bias", "down_transposed"),
 }
-# e2m1 values by 4-bit code (sign bit high)
-_FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
 
 
 class GptOssRMSNorm(nn.Module):
@@ -131,7 +113,7 @@ class GptOssForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, _dequantized(weights), self._rename)
+        load_named_weights(self, weights, self._rename)
 
     def _rename(self, name: str):
         m = _LAYER_NAME.match(name)
@@ -145,54 +127,3 @@ class GptOssForCausalLM(nn.Module):
             if rest.startswith("mlp.experts.") and fused is not None:
                 return prefix + "mlp.experts." + fused[0], (None, fused[1])
         return rename_decoder_weight(self, name)
-
-
-def dequantize_mxfp4(
-    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    """MXFP4 -> dense: 32 e2m1 values per block, one power-of-two scale per block.
-
-    Args:
-        blocks: [E, N, G, 16] uint8, two 4-bit codes per byte (low nibble first).
-        scales: [E, N, G] uint8, e8m0 exponents with bias 127.
-        dtype: the output dtype (every MXFP4 value is exact in bfloat16).
-    Returns:
-        [E, N, G * 32], one expert at a time to bound the temporary memory.
-    """
-    if blocks.shape[:-1] != scales.shape:
-        raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}"
-        )
-    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    e, n, g, b = blocks.shape
-    out = torch.empty(e, n, g * b * 2, dtype=dtype, device=blocks.device)
-    for i in range(e):
-        codes = blocks[i].view(torch.uint8)
-        vals = torch.stack(
-            [lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1
-        )  # [N, G, 16, 2]
-        vals = vals.view(n, g, b * 2)  # [N, G, 32]: low nibble, high nibble, next byte, ...
-        exps = scales[i].view(torch.uint8).to(torch.int32) - 127  # [N, G]
-        out[i] = torch.ldexp(vals, exps[..., None].float()).view(n, g * b * 2).to(dtype)
-    return out
-
-
-def _dequantized(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass tensors through, replacing each ``X_blocks`` + ``X_scales`` pair by ``X`` in the
-    bf16 checkpoint layout ([E, in, out])."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        base, sep, part = name.rpartition("_")
-        if not sep or part not in ("blocks", "scales"):
-            yield name, tensor
-            continue
-        parts = pending.setdefault(base, {})
-        parts[part] = tensor
-        if len(parts) == 2:
-            del pending[base]
-            dense = dequantize_mxfp4(parts["blocks"], parts["scales"])  # [E, out, in]
-            yield base, dense.transpose(1, 2)  # [E, in, out]
-    if pending:
-        raise ValueError(
-            f"MXFP4 tensors without their blocks or scales: {', '.join(sorted(pending))}"
-        )

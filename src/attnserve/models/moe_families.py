@@ -12,7 +12,7 @@ paged attention) with the MLP of some layers replaced by a block from ``layers/m
   the checkpoint stores past ``num_hidden_layers`` are skipped.
 
 It is not: qwen2_moe (a sigmoid-gated shared expert), MTP speculative decoding, quantised
-experts.
+expert kernels (fp8 checkpoints are dequantised as they are read: ``models/quantized.py``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from attnserve.kvcache.kv_cache_manager import KVCacheManager
 from attnserve.kvcache.offload import DiskTier, HostTier, OffloadManager
 from attnserve.kvcache.state import StatePool
 from attnserve.layers.moe import FusedExperts
+from attnserve.models.quantized import QuantScheme, dequantized_weights
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
@@ -159,6 +160,8 @@ def build_engine_parts(config: EngineConfig, parallel: ParallelState | None = No
     """
     model_dir = resolve_model_dir(config.model.model)
     arch = ModelArch.from_hf(load_hf_config(model_dir), use_mla=not env.mla_disabled())
+    if config.model.load_format != "dummy":  # an unsupported checkpoint format fails before any weight is read
+        QuantScheme.from_config(arch.quantization_config)
     check_host_latents(config, arch)
     parallel, workers = _start_parallel(config, arch, parallel)
     try:
@@ -254,10 +257,14 @@ def _build_model(arch: ModelArch, model_dir: Path, config: EngineConfig, device:
     if fmt == "auto" and _is_weightless_preset(model_dir):
         logger.warning("%s ships no weights: using seeded random weights", model_dir.name)
         fmt = "dummy"
-    if fmt == "dummy":
+    if fmt == "dummy":  # random weights: quantisation does not apply
         dummy_init(model, config.model.seed)
-    else:
-        model.load_weights(iter_safetensors(model_dir))
+        return model.eval()
+    weights = iter_safetensors(model_dir)
+    scheme = QuantScheme.from_config(arch.quantization_config)
+    if scheme is not None:  # dequantised to the model dtype as they are read
+        weights = dequantized_weights(weights, scheme, dtype)
+    model.load_weights(weights)
     return model.eval()
 
 
