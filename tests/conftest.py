@@ -3,13 +3,22 @@
 Triton reads ``TRITON_INTERPRET`` when it is first imported, and any test may import it first
 (transformers does), so on a machine without a GPU the interpreter is switched on here,
 before any test module loads.
+
+flash-linear-attention (``fla``) is installed for the NSA oracle, which runs it in a process
+of its own (``tests/models/fla_nsa_oracle.py``). The test process must not import it:
+transformers runs qwen3_next's and kimi_linear's delta rules through fla's Triton kernels
+whenever it can import ``fla`` (their autotuners do not run on CPU), and fla registers its own
+``mamba``/``mamba2``/``bitnet`` configs with transformers. ``sys.modules["fla"] = None`` makes
+every ``import fla`` here fail, so transformers keeps its PyTorch reference paths.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.modules.setdefault("fla", None)

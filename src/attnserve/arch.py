@@ -29,6 +29,7 @@ __all__ = [
     "Mechanism",
     "MoESpec",
     "ModelArch",
+    "NSADims",
     "RopeConfig",
     "StateDims",
     "load_hf_config",
@@ -48,10 +49,12 @@ class LayerKind(str, Enum):
     MAMBA = "mamba"
     LIGHTNING = "lightning"
     KDA = "kda"
+    NSA = "nsa"  # native sparse attention: compressed, selected-block, sliding branches
 
     @property
     def is_attention(self) -> bool:
-        return self in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.MLA, LayerKind.SPARSE_MLA)
+        return self in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.MLA, LayerKind.SPARSE_MLA,
+                        LayerKind.NSA)
 
     @property
     def is_state(self) -> bool:
@@ -68,6 +71,7 @@ class Mechanism(str, Enum):
     GQA = "GQA"
     MLA = "MLA"
     SPARSE_MLA = "SPARSE_MLA"
+    NSA = "NSA"
     HYBRID = "HYBRID"
 
 
@@ -128,6 +132,26 @@ class IndexerDims:
 
 
 @dataclass(frozen=True, slots=True)
+class NSADims:
+    """Native sparse attention of one layer (FLA's ``NativeSparseAttention``).
+
+    ``block_size`` tokens make one compression block (mean-pooled K/V) and one selection block;
+    each token keeps ``num_selected`` blocks per KV head, among them the first, the previous and
+    its own; ``window`` is the sliding branch (None: no such branch).
+    """
+
+    block_size: int
+    block_counts: int  # as configured
+    window: int | None
+
+    @property
+    def num_selected(self) -> int:
+        """Blocks each query attends over: FLA's kernels round ``block_counts`` up to a power of
+        two (``triton.next_power_of_2``) and fill every slot."""
+        return 1 << max(self.block_counts - 1, 0).bit_length()
+
+
+@dataclass(frozen=True, slots=True)
 class StateDims:
     """Per-sequence state of a state layer, in elements (dtypes come from the cache config)."""
 
@@ -176,6 +200,7 @@ class LayerSpec:
     indexer: IndexerDims | None = None
     state: StateDims | None = None
     moe: bool = False  # this layer's MLP is a mixture of experts
+    nsa: NSADims | None = None  # LayerKind.NSA: blocks, selection count, window
 
     @property
     def features(self) -> frozenset[str]:
@@ -222,6 +247,8 @@ class ModelArch:
         kinds = {s.kind for s in self.layers}
         if any(k.is_state for k in kinds):
             return Mechanism.HYBRID
+        if LayerKind.NSA in kinds:
+            return Mechanism.NSA
         if LayerKind.SPARSE_MLA in kinds:
             return Mechanism.SPARSE_MLA
         if LayerKind.MLA in kinds:
@@ -237,6 +264,8 @@ class ModelArch:
     def attention_mechanism(self) -> Mechanism:
         """The mechanism of the attention layers alone (for hybrid models)."""
         attn = self.attention_layers
+        if any(s.kind is LayerKind.NSA for s in attn):
+            return Mechanism.NSA
         if any(s.kind is LayerKind.SPARSE_MLA for s in attn):
             return Mechanism.SPARSE_MLA
         if any(s.kind is LayerKind.MLA for s in attn):

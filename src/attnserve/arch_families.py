@@ -15,6 +15,7 @@ from attnserve.arch import (
     LayerKind,
     LayerSpec,
     MoESpec,
+    NSADims,
     RopeConfig,
     StateDims,
 )
@@ -315,6 +316,52 @@ def _dsa(r: Reader) -> Built:
     return [mla[i] for i in range(r.num_layers)], deepseek_moe(r)
 
 
+# fla-org's NSAConfig defaults, for configs that leave a field out (an explicit null keeps
+# FLA's meaning: num_kv_heads null is one KV head per query head, window_size null no window)
+_NSA_DEFAULTS = {"num_kv_heads": 4, "head_dim": 32, "block_size": 64, "block_counts": 16,
+                 "window_size": 512, "rope_theta": 10000.0}
+
+
+def _nsa_int(r: Reader, name: str, minimum: int) -> int:
+    value = r.cfg.get(name, _NSA_DEFAULTS.get(name))
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ArchError(f"nsa: field '{name}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _nsa(r: Reader) -> Built:
+    """fla-org's NSA (``NSAForCausalLM``): every layer is native sparse attention."""
+    heads = _nsa_int(r, "num_heads", 1)
+    kv = heads if "num_kv_heads" in r.cfg and r.cfg["num_kv_heads"] is None else _nsa_int(r, "num_kv_heads", 1)
+    if heads % kv:
+        raise ArchError(f"nsa: num_heads={heads} is not divisible by num_kv_heads={kv}")
+    hd = _nsa_int(r, "head_dim", 2)
+    block_size = _nsa_int(r, "block_size", 1)
+    counts = _nsa_int(r, "block_counts", 1)
+    if counts < 3:
+        raise ArchError(f"nsa: block_counts={counts} is below 3: FLA always keeps 3 blocks (the first, the "
+                        f"previous and the current) and breaks the tie among them in its sorting network's "
+                        f"order, which attnserve does not reproduce")
+    window = r.cfg.get("window_size", _NSA_DEFAULTS["window_size"])
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ArchError(f"nsa: field 'window_size' must be a non-negative integer or null, got {window!r}")
+    act = r.cfg.get("hidden_act", "swish")
+    if act != "swish":
+        raise ArchError(f"nsa: hidden_act '{act}' is not supported (only 'swish', FLA's SwiGLU)")
+    if r.cfg.get("attnres_block_size") is not None:
+        raise ArchError("nsa: attention residuals (attnres_block_size) are not supported")
+    theta = r.cfg.get("rope_theta", _NSA_DEFAULTS["rope_theta"])
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ArchError(f"nsa: field 'rope_theta' must be a positive number, got {theta!r}")
+    if hd % 2:
+        raise ArchError(f"nsa: head_dim={hd} must be even (RoPE rotates the whole head)")
+    dims = NSADims(block_size=block_size, block_counts=counts, window=window or None)
+    rope = RopeConfig(rotary_dim=hd, theta=float(theta))  # FLA: NeoX half-split over the whole head
+    return [LayerSpec(index=i, kind=LayerKind.NSA, num_heads=heads, num_kv_heads=kv, head_size=hd,
+                      head_size_v=hd, scale=hd ** -0.5, rope=rope, nsa=dims)
+            for i in range(r.num_layers)], None
+
+
 BUILDERS: dict[str, Callable[[Reader], Built]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -346,4 +393,5 @@ BUILDERS: dict[str, Callable[[Reader], Built]] = {
     "kimi_k2": _deepseek,
     "deepseek_v32": _dsa,
     "glm_moe_dsa": _dsa,
+    "nsa": _nsa,
 }

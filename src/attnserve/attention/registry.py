@@ -235,5 +235,8 @@ for _e in (
     _entry("TORCH_KDA", "attnserve.attention.backends.torch_kda:TorchKDABackend",
            "Kimi delta attention in PyTorch", layer_kinds=frozenset({LayerKind.KDA}), dtypes=_FLOAT,
            kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY),
+    _entry("TORCH_NSA", "attnserve.attention.backends.torch_nsa:TorchNSABackend",
+           "NSA in PyTorch: compressed, selected-block and sliding-window branches over the paged K/V",
+           layer_kinds=frozenset({LayerKind.NSA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT, platforms=_ANY),
 ):
     register(_e)

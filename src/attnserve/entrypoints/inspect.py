@@ -294,6 +294,10 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
     notes = []
     if not use_mla and arch.is_mla:
         notes.append("MLA disabled: sparse-MLA layers keep their latent cache")
+    if any(s.kind is LayerKind.NSA for s in arch.layers):
+        notes.append("NSA layers cache their K/V only (selection, the window and the compressed branch read "
+                     "it); TORCH_NSA mean-pools the complete blocks again every step, where caching them "
+                     "would add 1/block_size of the K/V")
     notes.append("--kv-offloading-size GiB (host memory) or --kv-offloading-backend disk keeps evicted "
                  "prefix blocks (and state snapshots) for reuse; the offload column says what each holds")
     return InspectReport(

@@ -85,7 +85,7 @@ def layer_specs(spec: LayerSpec, model_dtype: str, cache: CacheConfig) -> list[t
         return [("kv", StreamingSpec(block_size=bs, dtype=kv_dtype, num_kv_heads=spec.num_kv_heads,
                                      head_size=spec.head_size, head_size_v=spec.head_size_v,
                                      sinks=cache.streaming_sinks, window=cache.streaming_window))]
-    if kind is LayerKind.FULL:
+    if kind in (LayerKind.FULL, LayerKind.NSA):  # NSA's three branches all read the layer's full K/V
         return [("kv", FullAttentionSpec(block_size=bs, dtype=kv_dtype, num_kv_heads=spec.num_kv_heads,
                                          head_size=spec.head_size, head_size_v=spec.head_size_v))]
     if kind is LayerKind.SLIDING:

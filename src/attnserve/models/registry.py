@@ -40,6 +40,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "jamba": "attnserve.models.jamba:JambaForCausalLM",
     "minimax": "attnserve.models.minimax:MiniMaxForCausalLM",
     "kimi_linear": "attnserve.models.kimi_linear:KimiLinearForCausalLM",
+    "nsa": "attnserve.models.nsa:NSAForCausalLM",
 }
 
 

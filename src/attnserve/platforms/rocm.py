@@ -29,5 +29,6 @@ def describe(compute_capability: tuple[int, int] | None = None) -> Platform:
             (LayerKind.MAMBA, ("TORCH_MAMBA",)),
             (LayerKind.LIGHTNING, ("TORCH_LIGHTNING",)),
             (LayerKind.KDA, ("TORCH_KDA",)),
+            (LayerKind.NSA, ("TORCH_NSA",)),
         ),
     )
