@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {
+    "gpu_gdn": ["--smoke"],
     "gpu_mla": ["--smoke"],
     "gpu_moe": ["--smoke"],
     "gpu_offload": ["--smoke"],

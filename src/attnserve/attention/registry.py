@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from attnserve import env
@@ -24,6 +25,7 @@ __all__ = [
     "get_entry",
     "is_implemented",
     "list_backends",
+    "override_for",
     "rank_backends",
     "load_backend",
     "register",
@@ -137,6 +139,21 @@ def is_implemented(entry: BackendEntry) -> bool:
         return False
 
 
+def override_for(override: str | None, kind: LayerKind, model_kinds: Collection[LayerKind]) -> str | None:
+    """The user's ``attention_backend`` where it applies to layers of ``kind``, else None.
+
+    A backend of state layers only (TRITON_GDN, ...) applies to the layers it handles when the
+    model has some; any other name applies to every attention layer (and fails there when it
+    cannot run them), so a choice that fits no layer of the model is an error, not ignored.
+    """
+    if not override:
+        return None
+    handled = get_entry(override).capabilities.layer_kinds
+    if all(k.is_state for k in handled) and not handled.isdisjoint(model_kinds):
+        return override if kind in handled else None
+    return override if kind.is_attention else None
+
+
 def select_backend(req: BackendRequest, platform: Platform, override: str | None = None) -> Selection:
     """The backend for one layer group: the user's choice if it fits, else the first that fits.
 
@@ -222,7 +239,8 @@ for _e in (
            "Gated DeltaNet in PyTorch: chunked prefill, recurrent decode",
            layer_kinds=frozenset({LayerKind.GDN}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_ANY),
-    _entry("TRITON_GDN", "attnserve.attention.backends.triton_gdn:TritonGDNBackend", "Triton Gated DeltaNet kernels",
+    _entry("TRITON_GDN", "attnserve.attention.backends.triton_gdn:TritonGDNBackend",
+           "Gated DeltaNet: fused Triton recurrent decode step; chunked prefill and conv in PyTorch",
            layer_kinds=frozenset({LayerKind.GDN}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_GPU, requires=("triton",)),
     _entry("TORCH_MAMBA", "attnserve.attention.backends.torch_mamba:TorchMambaBackend",

@@ -16,6 +16,7 @@ from attnserve.attention.backend import BackendRequest
 from attnserve.attention.registry import (
     BackendSelectionError,
     Selection,
+    override_for,
     rank_backends,
     select_backend,
 )
@@ -230,7 +231,7 @@ def _select(spec: LayerSpec, dtype: str, kv_dtype: str, cache: CacheConfig, plat
     """
     req = BackendRequest(kind=spec.kind, head_size=spec.head_size, dtype=dtype, kv_cache_dtype=kv_dtype,
                          block_size=cache.block_size, features=spec.features)
-    if override and spec.kind.is_attention:
+    if override:
         return select_backend(req, platform, override)
     passed = []
     for name, reasons in rank_backends(req, platform):
@@ -266,12 +267,14 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
     keyed: dict[tuple, list[int]] = {}
     meta: dict[tuple, tuple] = {}
     errors: list[str] = []
+    kinds = {s.kind for s in rank_arch.layers}
     for spec in rank_arch.layers:
         own = layer_specs(spec, model_dtype, cache)
         comps = tuple((name, s.bytes_per_token) for name, s in own if s.bytes_per_token)
         state = sum(s.bytes_per_sequence for _, s in own)
         try:
-            sel = _select(spec, model_dtype, kv_dtype, cache, platform, attention_backend)
+            override = override_for(attention_backend, spec.kind, kinds)
+            sel = _select(spec, model_dtype, kv_dtype, cache, platform, override)
         except BackendSelectionError as e:
             errors.append(str(e))
             continue

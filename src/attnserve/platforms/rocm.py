@@ -25,7 +25,7 @@ def describe(compute_capability: tuple[int, int] | None = None) -> Platform:
             (LayerKind.SLIDING, _STANDARD),
             (LayerKind.MLA, ("TRITON_MLA", "TORCH_MLA")),
             (LayerKind.SPARSE_MLA, ("TRITON_MLA_SPARSE", "TORCH_MLA_SPARSE")),
-            (LayerKind.GDN, ("TRITON_GDN", "TORCH_GDN")),
+            (LayerKind.GDN, ("TORCH_GDN", "TRITON_GDN")),  # TRITON_GDN first once run on a GPU
             (LayerKind.MAMBA, ("TORCH_MAMBA",)),
             (LayerKind.LIGHTNING, ("TORCH_LIGHTNING",)),
             (LayerKind.KDA, ("TORCH_KDA",)),

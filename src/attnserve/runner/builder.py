@@ -17,7 +17,7 @@ import torch
 from attnserve import env
 from attnserve.arch import ModelArch, load_hf_config
 from attnserve.attention.backend import AttentionBackend, BackendRequest
-from attnserve.attention.registry import load_backend, select_backend
+from attnserve.attention.registry import load_backend, override_for, select_backend
 from attnserve.config import EngineConfig
 from attnserve.kvcache.groups import KVCacheGroup, cache_entries, group_entries, plan_layout
 from attnserve.kvcache.kv_cache_manager import KVCacheManager
@@ -119,6 +119,7 @@ def _device_and_platform(config: EngineConfig) -> tuple[torch.device, Platform]:
 def _select_backends(arch: ModelArch, groups: list[KVCacheGroup], dtype: str, config: EngineConfig,
                      platform: Platform) -> list[str]:
     names = []
+    kinds = {s.kind for s in arch.layers}
     for g in groups:
         specs = [arch.layers[e.layer] for e in g.entries]
         chosen = set()
@@ -127,7 +128,7 @@ def _select_backends(arch: ModelArch, groups: list[KVCacheGroup], dtype: str, co
             req = BackendRequest(kind=spec.kind, head_size=spec.head_size, dtype=dtype,
                                  kv_cache_dtype=g.entries[0].spec.dtype, block_size=config.cache.block_size,
                                  features=features)
-            override = config.cache.attention_backend if spec.kind.is_attention else None
+            override = override_for(config.cache.attention_backend, spec.kind, kinds)
             chosen.add(select_backend(req, platform, override).name)
         if len(chosen) != 1:
             raise ValueError(f"KV cache group {g.group_id} would need several backends: {sorted(chosen)}")

@@ -5,6 +5,8 @@ a state already in their slot) take the recurrent one-token forms; the rest (fir
 chunks, one-token prompts) take the varlen prefill forms, which read the state only where
 ``has_initial_state`` says so. ``StateMetadata`` is that split, built once per step and group;
 the Mamba, lightning and KDA backends build the same one (``build_state_metadata``).
+``gdn_forward`` is the whole layer step; TRITON_GDN (``triton_gdn.py``) runs it with its fused
+decode kernel in place of the PyTorch decode step.
 
 What it is not: the projections, the gated RMSNorm and the output projection (the layer,
 ``layers/gdn.py``), the arithmetic (``layers/state_ops``), or a kernel.
@@ -26,7 +28,7 @@ from attnserve.layers.state_ops import (
     gated_delta_prefill,
 )
 
-__all__ = ["StateMetadata", "TorchGDNBackend", "build_state_metadata", "conv_forward"]
+__all__ = ["StateMetadata", "TorchGDNBackend", "build_state_metadata", "conv_forward", "gdn_forward"]
 
 
 @dataclass(slots=True)
@@ -118,6 +120,43 @@ def conv_forward(
         lambda s: causal_conv1d_prefill(x[s], weight, bias, conv_state, **md.prefill_args(), silu=True))
 
 
+def gdn_forward(
+    layer,
+    mixed_qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_cache: Any,
+    metadata: StateMetadata,
+    decode: Callable[..., torch.Tensor] = gated_delta_decode,
+) -> torch.Tensor:
+    """The delta-rule output of every token; the layer's conv and recurrent states advance.
+
+    Args:
+        layer: ``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim`` and
+            ``conv_weight`` [C, K] (C = 2 * Hk * dk + Hv * dv).
+        mixed_qkv: [T, C] the projected [q | k | v] before the conv.
+        g: [T, Hv] log decay (<= 0, float32); beta: [T, Hv] write strength.
+        state_cache: ``conv[0]`` [num_slots, C, K-1], ``recurrent[0]`` [num_slots, Hv, dk, dv].
+        metadata: the step's ``StateMetadata``.
+        decode: the recurrent step of the decode tokens, called as ``gated_delta_decode``
+            (TRITON_GDN passes its fused kernel); prefills always take the chunked form.
+    Returns:
+        [T, Hv, dv] in the dtype of ``mixed_qkv``.
+    """
+    t = mixed_qkv.shape[0]
+    x = conv_forward(mixed_qkv, layer.conv_weight, None, state_cache.conv[0], metadata)
+    key_dim = layer.num_k_heads * layer.head_k_dim
+    q, k, v = x.split([key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
+    q = q.reshape(t, layer.num_k_heads, layer.head_k_dim)  # [T, Hk, dk]
+    k = k.reshape(t, layer.num_k_heads, layer.head_k_dim)
+    v = v.reshape(t, layer.num_v_heads, layer.head_v_dim)  # [T, Hv, dv]
+    state, md = state_cache.recurrent[0], metadata
+    return md.split(
+        lambda s: decode(q[s], k[s], v[s], g[s], beta[s], state, state_indices=md.decode_slots, use_qk_l2norm=True),
+        lambda s: gated_delta_prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
+                                      use_qk_l2norm=True, chunk_size=md.chunk_size(64)))
+
+
 class TorchGDNBackend(AttentionBackend):
     """Gated DeltaNet: short conv, then the chunked (prefill) or recurrent (decode) delta rule."""
 
@@ -129,37 +168,7 @@ class TorchGDNBackend(AttentionBackend):
     def build_metadata(self, common: Any, group_id: int) -> StateMetadata:
         return build_state_metadata(common)
 
-    def forward(
-        self,
-        layer,
-        mixed_qkv: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state_cache: Any,
-        metadata: StateMetadata,
-    ) -> torch.Tensor:
-        """The delta-rule output of every token; the layer's conv and recurrent states advance.
-
-        Args:
-            layer: ``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim`` and
-                ``conv_weight`` [C, K] (C = 2 * Hk * dk + Hv * dv).
-            mixed_qkv: [T, C] the projected [q | k | v] before the conv.
-            g: [T, Hv] log decay (<= 0, float32); beta: [T, Hv] write strength.
-            state_cache: ``conv[0]`` [num_slots, C, K-1], ``recurrent[0]`` [num_slots, Hv, dk, dv].
-            metadata: the step's ``StateMetadata``.
-        Returns:
-            [T, Hv, dv] in the dtype of ``mixed_qkv``.
-        """
-        t = mixed_qkv.shape[0]
-        x = conv_forward(mixed_qkv, layer.conv_weight, None, state_cache.conv[0], metadata)
-        key_dim = layer.num_k_heads * layer.head_k_dim
-        q, k, v = x.split([key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
-        q = q.reshape(t, layer.num_k_heads, layer.head_k_dim)  # [T, Hk, dk]
-        k = k.reshape(t, layer.num_k_heads, layer.head_k_dim)
-        v = v.reshape(t, layer.num_v_heads, layer.head_v_dim)  # [T, Hv, dv]
-        state, md = state_cache.recurrent[0], metadata
-        return md.split(
-            lambda s: gated_delta_decode(q[s], k[s], v[s], g[s], beta[s], state, state_indices=md.decode_slots,
-                                         use_qk_l2norm=True),
-            lambda s: gated_delta_prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
-                                          use_qk_l2norm=True, chunk_size=md.chunk_size(64)))
+    def forward(self, layer, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state_cache: Any,
+                metadata: StateMetadata) -> torch.Tensor:
+        """``gdn_forward`` with the PyTorch decode step; returns [T, Hv, dv]."""
+        return gdn_forward(layer, mixed_qkv, g, beta, state_cache, metadata)
