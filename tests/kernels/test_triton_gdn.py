@@ -10,7 +10,8 @@ the float32 results round to either side). Rows the step does not own are bit-id
 afterwards; a negative row is skipped (state untouched, output zeros).
 
 Engine: a tiny qwen3_next (3 GDN layers, Hk 2 < Hv 4) with ``attention_backend="TRITON_GDN"``
-gives TORCH_GDN's greedy tokens, and prompt and output logprobs within 1e-4, over two prompts
+gives TORCH_GDN's greedy tokens (and a tiny kimi_linear with TRITON_KDA, the per-channel decay,
+TORCH_KDA's), and prompt and output logprobs within 1e-4, over two prompts
 of different lengths, chunked so that decodes and prefills share steps. Also: the CPU default
 stays TORCH_GDN, and a state-layer backend named by the user applies to its layers only. And the
 kernel's GPU launches (bf16 inputs, fp32 and bf16 states) compile for sm_90 (no GPU needed).
@@ -135,20 +136,23 @@ def test_a_state_backend_override_applies_to_its_layers_only():
         override_for("NOPE", LayerKind.FULL, hybrid)
 
 
-def test_engine_with_triton_gdn_matches_torch_gdn(tmp_path):
+@pytest.mark.parametrize(("model", "torch_name", "triton_name"),
+                         [("qwen3_next", "TORCH_GDN", "TRITON_GDN"), ("kimi_linear", "TORCH_KDA", "TRITON_KDA")])
+def test_engine_with_the_fused_decode_matches_torch(model, torch_name, triton_name, tmp_path):
     from attnserve import LLM, SamplingParams
     from tests.models.parity import make_prompts, run_engine
     from tests.models.test_parity_hybrid import build_hybrid
 
-    build_hybrid("qwen3_next", tmp_path)
+    build_hybrid(model, tmp_path)
     prompts = make_prompts([13, 6], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     outs = {}
-    for name in (None, "TRITON_GDN"):  # None: the CPU default
+    for name in (None, triton_name):  # None: the CPU default
         llm = LLM(str(tmp_path), dtype="float32", block_size=4, attention_backend=name, max_num_batched_tokens=8)
-        assert sorted(llm.llm_engine.parts.backend_names) == sorted(["TORCH_SDPA", name or "TORCH_GDN"])
+        names = llm.llm_engine.parts.backend_names
+        assert (name or torch_name) in names and (torch_name if name else triton_name) not in names
         outs[name] = run_engine(llm, prompts, params)
-    for a, b in zip(outs[None], outs["TRITON_GDN"]):
+    for a, b in zip(outs[None], outs[triton_name]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         steps = list(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]))
         steps += list(zip(a.outputs[0].logprobs, b.outputs[0].logprobs))

@@ -28,7 +28,7 @@ def describe(compute_capability: tuple[int, int] | None = None) -> Platform:
             (LayerKind.GDN, ("TORCH_GDN", "TRITON_GDN")),  # TRITON_GDN first once run on a GPU
             (LayerKind.MAMBA, ("TORCH_MAMBA",)),
             (LayerKind.LIGHTNING, ("TORCH_LIGHTNING",)),
-            (LayerKind.KDA, ("TORCH_KDA",)),
+            (LayerKind.KDA, ("TORCH_KDA", "TRITON_KDA")),  # TRITON_KDA first once run on a GPU
             (LayerKind.NSA, ("TORCH_NSA",)),
         ),
     )

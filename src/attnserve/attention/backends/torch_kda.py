@@ -10,6 +10,7 @@ What it is not: the projections, the forget gate that produces ``g``, the sigmoi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_gdn import StateMetadata, build_state_metadata, conv_forward
 from attnserve.layers.state_ops import kda_decode, kda_prefill
 
-__all__ = ["TorchKDABackend"]
+__all__ = ["TorchKDABackend", "kda_forward"]
 
 
 class TorchKDABackend(AttentionBackend):
@@ -53,14 +54,20 @@ class TorchKDABackend(AttentionBackend):
         Returns:
             [T, H, d] in the dtype of ``v``.
         """
-        t, h, d = q.shape[0], layer.num_heads, layer.head_dim
-        q, k, v = (
-            conv_forward(x, w, None, conv, metadata).view(t, h, d)  # [T, H, d]
-            for x, w, conv in zip((q, k, v), layer.conv_weights, state_cache.conv)
-        )
-        state, md = state_cache.recurrent[0], metadata
-        return md.split(
-            lambda s: kda_decode(q[s], k[s], v[s], g[s], beta[s], state, state_indices=md.decode_slots,
-                                 use_qk_l2norm=True),
-            lambda s: kda_prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
-                                  use_qk_l2norm=True, chunk_size=md.chunk_size(64)))
+        return kda_forward(layer, q, k, v, g, beta, state_cache, metadata)
+
+
+def kda_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state_cache: Any, metadata: StateMetadata, *, decode: Callable = kda_decode) -> torch.Tensor:
+    """``TorchKDABackend.forward`` with the one-token step ``decode`` (TRITON_KDA passes its kernel)."""
+    t, h, d = q.shape[0], layer.num_heads, layer.head_dim
+    q, k, v = (
+        conv_forward(x, w, None, conv, metadata).view(t, h, d)  # [T, H, d]
+        for x, w, conv in zip((q, k, v), layer.conv_weights, state_cache.conv)
+    )
+    state, md = state_cache.recurrent[0], metadata
+    return md.split(
+        lambda s: decode(q[s], k[s], v[s], g[s], beta[s], state, state_indices=md.decode_slots,
+                         use_qk_l2norm=True),
+        lambda s: kda_prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
+                              use_qk_l2norm=True, chunk_size=md.chunk_size(64)))
