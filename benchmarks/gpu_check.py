@@ -70,6 +70,8 @@ FAMILIES = {
 FAMILIES.update({f"dsa_{k}": v for k, v in DSA_FAMILIES.items()})
 FAMILIES["qwen3_next"] = HYBRID_FAMILIES["qwen3_next"]
 FAMILIES["kimi_linear"] = HYBRID_FAMILIES["kimi_linear"]
+FAMILIES["jamba"] = HYBRID_FAMILIES["jamba"]
+FAMILIES["minimax"] = HYBRID_FAMILIES["minimax"]
 LENGTHS = [5, 12, 19, 27, 40, 64]
 MODES = (("graphs", {}), ("eager", {"enforce_eager": True}),
          ("chunked", {"max_num_batched_tokens": 16, "enforce_eager": True}))

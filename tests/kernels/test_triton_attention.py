@@ -29,6 +29,7 @@ from attnserve.attention.ops.triton_paged_attention import (  # noqa: E402
     unified_attention,
 )
 from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
+from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 # (query_lens, seq_lens): each request's new tokens are the last of its sequence.
 BATCH_SPECS = {
@@ -323,32 +324,12 @@ def test_write_kv_int32_slots_and_views():
 
 # ----------------------------------------------------------------------------- GPU compile
 
-# Runs in a fresh interpreter without TRITON_INTERPRET: the real launch code records each
-# kernel call (GPU configs, constexprs, dtypes) and the recorded calls are compiled for sm_90
-# down to a cubin. Catches what the interpreter cannot: typing, layouts, shared memory.
-_COMPILE_SCRIPT = r"""
-import sys
-import torch
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
-except ImportError as exc:
-    print(exc); sys.exit(77)
+# The real launch code's calls (GPU configs, constexprs, dtypes), compiled for sm_90 (``sm90.py``).
+_LAUNCHES = r"""
 from attnserve.attention.ops import triton_kv_write as W, triton_paged_attention as A
 
-calls = []
-
-class Recorder:
-    def __init__(self, kernel):
-        self.kernel = kernel
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
-
-A._attention_kernel = Recorder(A._attention_kernel)
-A._merge_splits_kernel = Recorder(A._merge_splits_kernel)
-W._write_kv_kernel = Recorder(W._write_kv_kernel)
+record(A, "_attention_kernel", "_merge_splits_kernel")
+record(W, "_write_kv_kernel")
 
 def attention(dtype, cache_dtype, head, num_tokens, max_query_len, num_splits, **features):
     q = torch.zeros(num_tokens, 32, head, dtype=dtype)
@@ -368,44 +349,8 @@ k = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
 W.write_kv_cache(k, k, torch.zeros(9, 16, 8, 128, dtype=torch.float8_e4m3fn),
                  torch.zeros(9, 16, 8, 128, dtype=torch.float8_e4m3fn),
                  torch.zeros(4, dtype=torch.int64), 0.5, 2.0)
-
-for kernel, args, kwargs in calls:
-    names = kernel.arg_names
-    consts = {k: v for k, v in kwargs.items() if k in names}
-    options = {k: v for k, v in kwargs.items() if k not in names}
-    signature, attrs = {}, {}
-    for i, name in enumerate(names):
-        if name in consts:
-            signature[name] = "constexpr"
-            continue
-        value = args[i]
-        signature[name] = mangle_type(value)
-        aligned = value.data_ptr() % 16 == 0 if torch.is_tensor(value) else (
-            isinstance(value, int) and value % 16 == 0)
-        if aligned:  # what the launcher would specialise on for such values
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(kernel, signature, {(names.index(k),): v for k, v in consts.items()}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    print(kernel.__name__, "shared", compiled.metadata.shared, flush=True)
 """
 
 
 def test_kernels_compile_for_sm90():
-    import subprocess
-    import sys
-
-    # Triton's cache is keyed by the kernel source, so a cached compile is still a valid check.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode == 77:
-        pytest.skip(f"no Triton CUDA backend to compile with: {proc.stdout.strip()}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shared = [int(line.split()[-1]) for line in proc.stdout.splitlines() if "shared" in line]
-    assert len(shared) == 5, proc.stdout  # 3 attention launches, 1 merge, 1 KV write
-    assert max(shared) <= 227 * 1024, proc.stdout  # H100/H200 shared memory per block
+    assert len(compile_for_sm90(_LAUNCHES)) == 5  # 3 attention launches, 1 merge, 1 KV write

@@ -11,7 +11,8 @@ afterwards; a negative row is skipped (state untouched, output zeros).
 
 Engine: a tiny qwen3_next (3 GDN layers, Hk 2 < Hv 4) with ``attention_backend="TRITON_GDN"``
 gives TORCH_GDN's greedy tokens (and a tiny kimi_linear with TRITON_KDA, the per-channel decay,
-TORCH_KDA's), and prompt and output logprobs within 1e-4, over two prompts
+TORCH_KDA's; and jamba with TRITON_MAMBA, minimax with TRITON_LIGHTNING, the kernels of
+``test_triton_state_decode.py``), and prompt and output logprobs within 1e-4, over two prompts
 of different lengths, chunked so that decodes and prefills share steps. Also: the CPU default
 stays TORCH_GDN, and a state-layer backend named by the user applies to its layers only. And the
 kernel's GPU launches (bf16 inputs, fp32 and bf16 states) compile for sm_90 (no GPU needed).
@@ -32,6 +33,7 @@ from attnserve.arch import LayerKind  # noqa: E402
 from attnserve.attention.ops.triton_gdn import fused_delta_rule_decode  # noqa: E402
 from attnserve.attention.registry import BackendSelectionError, override_for  # noqa: E402
 from attnserve.layers.state_ops import delta_rule_decode  # noqa: E402
+from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 # (batch, Hk, Hv, dk, dv, decay per key channel, block_v)
 SHAPES = {
@@ -137,7 +139,9 @@ def test_a_state_backend_override_applies_to_its_layers_only():
 
 
 @pytest.mark.parametrize(("model", "torch_name", "triton_name"),
-                         [("qwen3_next", "TORCH_GDN", "TRITON_GDN"), ("kimi_linear", "TORCH_KDA", "TRITON_KDA")])
+                         [("qwen3_next", "TORCH_GDN", "TRITON_GDN"), ("kimi_linear", "TORCH_KDA", "TRITON_KDA"),
+                          ("jamba", "TORCH_MAMBA", "TRITON_MAMBA"),  # ops/triton_state_decode.py
+                          ("minimax", "TORCH_LIGHTNING", "TRITON_LIGHTNING")])
 def test_engine_with_the_fused_decode_matches_torch(model, torch_name, triton_name, tmp_path):
     from attnserve import LLM, SamplingParams
     from tests.models.parity import make_prompts, run_engine
@@ -163,24 +167,11 @@ def test_engine_with_the_fused_decode_matches_torch(model, torch_name, triton_na
                 assert abs(ea[tid].logprob - eb[tid].logprob) < 1e-4, (tid, ea[tid], eb[tid])
 
 
-# Runs in a fresh interpreter without TRITON_INTERPRET (as test_triton_attention.py does): the
-# real launch code records each kernel call (GPU config, constexprs, dtypes: bf16 inputs, fp32
-# and bf16 states) and each is compiled for sm_90 down to a cubin, which the interpreter never does.
-_COMPILE_SCRIPT = r"""
-import sys
-import torch
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
-except ImportError as exc:
-    print(exc); sys.exit(77)
+# The kernel's GPU launches (bf16 inputs, fp32 and bf16 states), compiled for sm_90 (``sm90.py``).
+_LAUNCHES = r"""
 from attnserve.attention.ops import triton_gdn as G
 
-calls = []
-kernel = G._delta_rule_decode_kernel
-G._delta_rule_decode_kernel = type("R", (), {"__getitem__": lambda self, grid: lambda *a, **kw: calls.append((a, kw))})()
+record(G, "_delta_rule_decode_kernel")
 bf = torch.bfloat16
 for state_dtype, per_channel, block_v in [(torch.float32, False, None), (torch.float32, True, 8),
                                           (torch.float32, False, 64), (bf, False, 16)]:
@@ -189,25 +180,8 @@ for state_dtype, per_channel, block_v in [(torch.float32, False, None), (torch.f
     G.fused_delta_rule_decode(q, q.clone(), torch.zeros(4, 32, 128, dtype=bf), g, torch.zeros(4, 32, dtype=bf),
                               torch.zeros(9, 32, 128, 128, dtype=state_dtype), state_indices=torch.arange(4),
                               use_qk_l2norm=True, block_v=block_v)
-names = kernel.arg_names
-for args, kwargs in calls:
-    consts = {k: v for k, v in kwargs.items() if k in names}
-    options = {k: v for k, v in kwargs.items() if k not in names}
-    signature = {n: "constexpr" if n in consts else mangle_type(args[i]) for i, n in enumerate(names)}
-    src = ASTSource(kernel, signature, {(names.index(k),): v for k, v in consts.items()}, {})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    print("compiled", consts, "shared", compiled.metadata.shared, flush=True)
 """
 
 
 def test_kernel_compiles_for_sm90():
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    if proc.returncode == 77:
-        pytest.skip(f"no Triton CUDA backend to compile with: {proc.stdout.strip()}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 4, proc.stdout
+    assert len(compile_for_sm90(_LAUNCHES)) == 4

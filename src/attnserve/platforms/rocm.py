@@ -26,8 +26,8 @@ def describe(compute_capability: tuple[int, int] | None = None) -> Platform:
             (LayerKind.MLA, ("TRITON_MLA", "TORCH_MLA")),
             (LayerKind.SPARSE_MLA, ("TRITON_MLA_SPARSE", "TORCH_MLA_SPARSE")),
             (LayerKind.GDN, ("TORCH_GDN", "TRITON_GDN")),  # TRITON_GDN first once run on a GPU
-            (LayerKind.MAMBA, ("TORCH_MAMBA",)),
-            (LayerKind.LIGHTNING, ("TORCH_LIGHTNING",)),
+            (LayerKind.MAMBA, ("TORCH_MAMBA", "TRITON_MAMBA")),  # TRITON_MAMBA first once run on a GPU
+            (LayerKind.LIGHTNING, ("TORCH_LIGHTNING", "TRITON_LIGHTNING")),  # TRITON_LIGHTNING first once run on a GPU
             (LayerKind.KDA, ("TORCH_KDA", "TRITON_KDA")),  # TRITON_KDA first once run on a GPU
             (LayerKind.NSA, ("TORCH_NSA",)),
         ),

@@ -2,7 +2,9 @@
 
 Per step: the recurrent one-token form for decode requests and the block-wise prefill for the
 rest (each continuing its ``KV`` state or starting from zeros); the decode/prefill split is
-``StateMetadata`` (``torch_gdn.py``). Lightning layers have no conv state.
+``StateMetadata`` (``torch_gdn.py``). Lightning layers have no conv state. ``lightning_forward``
+is the whole layer step; TRITON_LIGHTNING (``triton_lightning.py``) runs it with its fused decode
+kernel in place of the PyTorch decode step.
 
 What it is not: the SiLU'd qkv projection, the RMSNorm over all heads and the sigmoid output
 gate (the layer, ``layers/lightning.py``), the arithmetic (``layers/state_ops``), or a kernel.
@@ -10,6 +12,7 @@ gate (the layer, ``layers/lightning.py``), the arithmetic (``layers/state_ops``)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +21,7 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_gdn import StateMetadata, build_state_metadata
 from attnserve.layers.state_ops import lightning_attention_decode, lightning_attention_prefill
 
-__all__ = ["TorchLightningBackend"]
+__all__ = ["TorchLightningBackend", "lightning_forward"]
 
 
 class TorchLightningBackend(AttentionBackend):
@@ -50,8 +53,15 @@ class TorchLightningBackend(AttentionBackend):
         Returns:
             [T, H, dv] in the dtype of ``v``.
         """
-        state, rates, md = state_cache.recurrent[0], layer.decay_rates, metadata
-        return md.split(
-            lambda s: lightning_attention_decode(q[s], k[s], v[s], rates, state, state_indices=md.decode_slots),
-            lambda s: lightning_attention_prefill(q[s], k[s], v[s], rates, state, **md.prefill_args(),
-                                                  block_size=md.chunk_size(layer.block_size)))
+        return lightning_forward(layer, q, k, v, state_cache, metadata)
+
+
+def lightning_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_cache: Any,
+                      metadata: StateMetadata, *, decode: Callable = lightning_attention_decode) -> torch.Tensor:
+    """``TorchLightningBackend.forward`` with the one-token step ``decode``, called as
+    ``lightning_attention_decode`` (TRITON_LIGHTNING passes its kernel)."""
+    state, rates, md = state_cache.recurrent[0], layer.decay_rates, metadata
+    return md.split(
+        lambda s: decode(q[s], k[s], v[s], rates, state, state_indices=md.decode_slots),
+        lambda s: lightning_attention_prefill(q[s], k[s], v[s], rates, state, **md.prefill_args(),
+                                              block_size=md.chunk_size(layer.block_size)))

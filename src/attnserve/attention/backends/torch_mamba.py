@@ -4,7 +4,8 @@ Per step: the short conv of every token (decode tokens continue their conv state
 prefill chunks from theirs or from zeros), the layer's token-wise ``ssm_params`` (x_proj, the
 dt/B/C norms, dt_proj, softplus), then the recurrent scan step for decode requests and the
 chunked parallel scan for the rest. The decode/prefill split is ``StateMetadata``
-(``torch_gdn.py``).
+(``torch_gdn.py``). ``mamba_forward`` is the whole layer step; TRITON_MAMBA (``triton_mamba.py``)
+runs it with its fused decode kernel in place of the PyTorch decode step.
 
 What it is not: the in/out projections and the gate (the layer, ``layers/mamba.py``), the
 arithmetic (``layers/state_ops``), Mamba-2, or a kernel.
@@ -12,6 +13,7 @@ arithmetic (``layers/state_ops``), Mamba-2, or a kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_gdn import StateMetadata, build_state_metadata, conv_forward
 from attnserve.layers.state_ops import selective_scan_decode, selective_scan_prefill
 
-__all__ = ["TorchMambaBackend"]
+__all__ = ["TorchMambaBackend", "mamba_forward"]
 
 
 class TorchMambaBackend(AttentionBackend):
@@ -47,12 +49,18 @@ class TorchMambaBackend(AttentionBackend):
         Returns:
             [T, Di] ``(C . h + D x) * SiLU(z)`` in the dtype of ``x``.
         """
-        xc = conv_forward(x, layer.conv_weight, layer.conv_bias, state_cache.conv[0], metadata)
-        dt, b, c = layer.ssm_params(xc)
-        a, d = layer.A, layer.D
-        state, md = state_cache.recurrent[0], metadata
-        return md.split(
-            lambda s: selective_scan_decode(xc[s], dt[s], a, b[s], c[s], d, z[s], state,
-                                            state_indices=md.decode_slots),
-            lambda s: selective_scan_prefill(xc[s], dt[s], a, b[s], c[s], d, z[s], state, **md.prefill_args(),
-                                             chunk_size=md.chunk_size(128)))
+        return mamba_forward(layer, x, z, state_cache, metadata)
+
+
+def mamba_forward(layer, x: torch.Tensor, z: torch.Tensor, state_cache: Any, metadata: StateMetadata, *,
+                  decode: Callable = selective_scan_decode) -> torch.Tensor:
+    """``TorchMambaBackend.forward`` with the one-token step ``decode``, called as
+    ``selective_scan_decode`` (TRITON_MAMBA passes its kernel); the conv stays PyTorch."""
+    xc = conv_forward(x, layer.conv_weight, layer.conv_bias, state_cache.conv[0], metadata)
+    dt, b, c = layer.ssm_params(xc)
+    a, d = layer.A, layer.D
+    state, md = state_cache.recurrent[0], metadata
+    return md.split(
+        lambda s: decode(xc[s], dt[s], a, b[s], c[s], d, z[s], state, state_indices=md.decode_slots),
+        lambda s: selective_scan_prefill(xc[s], dt[s], a, b[s], c[s], d, z[s], state, **md.prefill_args(),
+                                         chunk_size=md.chunk_size(128)))
