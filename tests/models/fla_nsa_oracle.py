@@ -55,8 +55,9 @@ def _interpreter_shims() -> None:
     interpreter._patch_lang_tensor = patch
 
 
-def window_attention(q, k, v, causal=True, window_size=(-1, 0), **_):
-    """flash_attn_func(q, k, v, causal=True, window_size=(left, 0)) for [B, T, H, D] inputs."""
+def window_attention(q, k, v, causal=True, window_size=(-1, 0)):
+    """flash_attn_func(q, k, v, causal=True, window_size=(left, 0)) for [B, T, H, D] inputs (the
+    call fla 0.6.0 makes: no other argument, so the scale is flash-attn's default D^-0.5)."""
     assert causal and window_size[1] == 0
     tq, tk = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
