@@ -58,7 +58,7 @@ def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 # Kernels keep dense argument lists, as in triton_paged_attention.py.
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))  # rows vary per step: no variant per size class
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, heads, sx_t, sx_h,
                      sr_t, sr_h, dim, eps, HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):

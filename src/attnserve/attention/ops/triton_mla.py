@@ -226,7 +226,8 @@ def _decode_tile(acc, m_i, l_i, q_nope, q_pe, t, bt_row, seq_len, qk_scale, kv_p
     return attend_latent_tile(acc, m_i, l_i, q_nope, q_pe, kv, pe, valid, qk_scale, PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits", "stride_bt"),  # per step: no variant per class
+            do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr"))
 def _mla_decode_kernel(q_ptr, kv_ptr, pe_ptr, sc_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_ptr,
                        seq_lens_ptr, qk_scale, num_heads, num_splits, stride_qt, stride_qh,
                        stride_ot, stride_oh, stride_bt, s_kvb, s_kvs, s_peb, s_pes, s_scb, s_scs,
@@ -272,7 +273,7 @@ def _mla_decode_kernel(q_ptr, kv_ptr, pe_ptr, sc_ptr, out_ptr, part_out_ptr, par
         store_latent_rows(out_rows, part_lse_ptr, acc, m_i, l_i, head_ok, False, L, L_PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits",))
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ot,
                   stride_oh, SPLITS_PAD: tl.constexpr, L: tl.constexpr, L_PAD: tl.constexpr):
     """out[t, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); 0 when every split is empty."""

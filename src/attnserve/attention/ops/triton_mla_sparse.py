@@ -103,7 +103,8 @@ def _sparse_tile(acc, m_i, l_i, q_nope, q_pe, t, idx_row, num_idx, bt_row, seq_l
     return attend_latent_tile(acc, m_i, l_i, q_nope, q_pe, kv, pe, valid, qk_scale, PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits", "num_idx", "stride_bt"),  # per step
+            do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr", "req_ptr"))
 def _sparse_mla_kernel(q_ptr, kv_ptr, pe_ptr, sc_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_ptr,
                        seq_lens_ptr, idx_ptr, req_ptr, qk_scale, num_heads, num_splits, num_idx,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_it, s_kvb,
@@ -194,7 +195,8 @@ def _indexer_tile(q, w, key_tile, q_pos, tok, tok_ok, q_start, seq_len, width, b
     tl.store(out, logits, mask=tok_ok[:, None] & (s_pos[None, :] < width))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_seqs", "width", "stride_bt"),  # per step
+            do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr", "pos_ptr"))
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, pos_ptr,
                     dot_scale, num_seqs, width, stride_qt, stride_qh, stride_wt, stride_ot,
                     stride_bt, s_kb, s_ks, s_sb, s_ss, H: tl.constexpr, H_PAD: tl.constexpr,

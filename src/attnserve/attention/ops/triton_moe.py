@@ -52,7 +52,7 @@ def align_pairs(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     ids = torch.where((flat_ids >= 0) & (flat_ids < e), flat_ids, e)  # e: dropped
     counts = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[e] = 0
+    padded[e:].zero_()  # a kernel, not `padded[e] = 0`: a host scalar copy breaks graph capture
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
     order = torch.argsort(ids, stable=True)
@@ -69,7 +69,7 @@ def align_pairs(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=("num_pairs",))  # varies per step: no variant per size class
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, tile_expert_ptr, num_pairs,
                     stride_xt, stride_we, stride_wn, stride_be, stride_os, limit, alpha,
                     hidden: tl.constexpr, inter: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
@@ -113,7 +113,7 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, tile_expert_ptr, nu
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_pairs",))
 def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, pairs_ptr, tile_expert_ptr, num_pairs,
                  stride_hs, stride_we, stride_wn, stride_be, stride_op,
                  hidden: tl.constexpr, inter: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

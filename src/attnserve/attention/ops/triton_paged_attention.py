@@ -90,19 +90,30 @@ def pick_num_splits(
 ) -> int:
     """KV splits per (request, KV head): enough programs for about four waves of SMs.
 
-    Only decode-only batches split; each split keeps at least 512 keys; powers of two only,
-    so that few reduce kernels get compiled. Under the interpreter: 1.
+    Only decode-only batches split; each split keeps at least one 64-key tile; powers of two
+    only, so that few reduce kernels get compiled. Under the interpreter: 1.
     """
     if max_query_len != 1 or device.type != "cuda" or env.triton_interpret():
         return 1
     programs = num_seqs * num_kv_heads
     index = device.index if device.index is not None else torch.cuda.current_device()
     # about four waves: on the H200, batch 16 at 16K context read 97% of bandwidth with 4
-    # splits against 78% with the 2 that two waves gave (benchmarks/tune_attention.py)
+    # splits against 78% with the 2 that two waves gave (benchmarks/tune_attention.py); short
+    # contexts split down to one tile a split: batch 1 at 1K took 9.5 us with 16 splits
+    # against 21.8 with the 2 that 512-key splits allowed, batch 2 at 4K 19.0 against 26.4
+    # (tune_attention.py --splits, 2026-12-01); 64 splits at most (128 lost at 16K-64K)
     want = triton.cdiv(4 * _sm_count(index), programs)
-    splits = min(want, max_seq_len // 512, 64)
+    splits = min(want, max_seq_len // 64, 64)
     return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
 
+
+# Per-step integers (batch sizes, split counts, block-table widths) are not specialised on: by
+# default Triton compiles a variant per class of each integer (== 1, divisible by 16, other)
+# and per 16-byte alignment of each pointer, and a new variant met mid-run costs seconds of
+# compilation in that step (on the H200: 2.6-3.9 s, twice in the nano-vllm workload, where the
+# prefill part of a mixed step reads seq_lens[num_decodes:]).
+_PER_STEP = ("num_seqs", "num_splits", "stride_bt")
+_SLICED = ("bt_ptr", "qsl_ptr", "seq_lens_ptr")  # metadata slices start anywhere
 
 # Kernels keep their dense argument lists: one argument per line would triple their length.
 # fmt: off
@@ -256,7 +267,7 @@ def _key_tiles(q_pos_lo, q_pos_hi, window, split, num_splits, USE_WINDOW: tl.con
     return lo, full_lo, full_hi, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP, do_not_specialize_on_alignment=_SLICED)
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_ptr, qsl_ptr,
     seq_lens_ptr, alibi_ptr, sinks_ptr, qk_scale, softcap, v_scale, window, num_seqs,
@@ -328,7 +339,7 @@ def _attention_kernel(
                     row_ok, v_scale, False, HEAD_V, HEAD_V_PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_seqs", "num_splits"), do_not_specialize_on_alignment=("qsl_ptr",))
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, qsl_ptr, v_scale,
                          num_seqs, num_heads, num_splits, stride_ot, stride_oh,
                          SPLITS_PAD: tl.constexpr, HEAD_V: tl.constexpr,
