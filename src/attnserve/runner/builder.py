@@ -2,7 +2,8 @@
 
 The order matters and is the same on every platform: read the architecture, pick the device
 and dtype, build the model and load its weights, group the cache entries and choose one
-backend per group, size the block pool from the memory left, allocate and bind the caches.
+backend per group, (CUDA) run the profiling pass, size the block pool from the memory left,
+allocate and bind the caches.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from attnserve.runner.parallel import (
     shard_arch,
     shard_model,
 )
+from attnserve.runner.profile_run import profile_step
 
 if TYPE_CHECKING:
     from attnserve.runner.worker import WorkerGroup
@@ -47,6 +49,7 @@ __all__ = ["EngineParts", "build_engine_parts", "resolve_model_dir"]
 
 logger = logging.getLogger(__name__)
 
+_PROFILED_DEVICES = ("cuda",)  # the profiling pass runs where memory is sized by utilization
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -209,7 +212,13 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
         state_pool = StatePool(config.scheduler.max_num_seqs, snapshots)
         state_bytes = state_pool.num_slots * sum(g.bytes_per_sequence_state for g in state_groups)
     staging_bytes = 0 if host_latents is None else host_latents.staging_bytes
-    num_blocks = determine_num_blocks(layout, config.cache, device, needed, state_bytes + staging_bytes, per_block)
+    activations = None
+    if device.type in _PROFILED_DEVICES and parallel is None and host_latents is None:
+        # the largest step once on dummy tokens: its activation peak is kept out of the KV
+        # budget, and the kernels it launches are compiled now, not in a user's first step
+        activations = profile_step(model, arch, layout, state_groups, backends, config, device, max_len)
+    num_blocks = determine_num_blocks(layout, config.cache, device, needed, state_bytes + staging_bytes, per_block,
+                                      activations)
     if parallel is not None:
         num_blocks = min_over_ranks(num_blocks)
     if host_latents is not None:

@@ -1,8 +1,9 @@
 """Sizing and allocating the KV cache tensors, and binding them to the model's layers.
 
-The number of blocks comes from a memory budget (CUDA: ``gpu_memory_utilization`` of the free
-memory after the weights; CPU: ``kv_cache_memory`` GiB or a share of free memory) or from
-``num_gpu_blocks_override``. Every cache entry gets one tensor of ``num_blocks`` pages, so a
+The number of blocks comes from a memory budget (CUDA: ``gpu_memory_utilization`` of the
+device's total memory, less what is in use after the weights and less the activations the
+profiling pass measured, as vLLM counts it; CPU: ``kv_cache_memory`` GiB or a share of free
+memory) or from ``num_gpu_blocks_override``. Every cache entry gets one tensor of ``num_blocks`` pages, so a
 block id costs the sum of the entries' pages: the same arithmetic ``inspect`` reports.
 """
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 GIB = 1024**3
 _CPU_DEFAULT_SHARE = 0.1
 _CPU_DEFAULT_CAP = 4 * GIB
+_UNPROFILED_ACTIVATIONS = 512 * 1024**2  # CUDA, when no profiling pass ran (tensor parallel)
 
 
 def torch_cache_dtype(name: str) -> torch.dtype:
@@ -53,7 +55,8 @@ def host_available_bytes() -> int:
 
 
 def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torch.device,
-                         needed_bytes: int, reserved_bytes: int = 0, per_block: int | None = None) -> int:
+                         needed_bytes: int, reserved_bytes: int = 0, per_block: int | None = None,
+                         activation_bytes: int | None = None) -> int:
     """Blocks in the pool (the null block included).
 
     Args:
@@ -62,6 +65,7 @@ def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torc
         reserved_bytes: taken from the budget first (state slots, staging buffers).
         per_block: device bytes of one block id (default: every entry's page; less when some
             entries live in host memory).
+        activation_bytes: CUDA: the peak the profiling pass measured above the weights.
     """
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
@@ -69,8 +73,15 @@ def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torc
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory * GIB)
     elif device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * cache.gpu_memory_utilization) - 512 * 1024**2  # room for activations
+        free, total = torch.cuda.mem_get_info(device)
+        activations = _UNPROFILED_ACTIVATIONS if activation_bytes is None else activation_bytes
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activations
+        if budget < per_block + reserved_bytes:
+            raise ValueError(
+                f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total / GIB:.1f} GiB leaves no room for "
+                f"the KV cache: {(total - free) / GIB:.2f} GiB are in use (weights, CUDA context, other "
+                f"processes) and the largest step needs {activations / GIB:.2f} GiB of activations; raise "
+                f"gpu_memory_utilization, lower max_num_batched_tokens, or free the device")
     else:
         budget = min(int(host_available_bytes() * _CPU_DEFAULT_SHARE), _CPU_DEFAULT_CAP,
                      needed_bytes + reserved_bytes)
