@@ -76,6 +76,9 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # schedule and launch the next step before reading the last one back; None: on for CUDA
+    # where the model allows it (LLMEngine._async_allowed), off elsewhere
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

@@ -212,7 +212,7 @@ def test_step_failure_kills_engine_and_fails_streams(engine):
         def boom(*args, **kwargs):
             raise RuntimeError("kernel exploded")
 
-        e.runner.execute = boom
+        e.runner.execute = e.runner.launch = boom  # the plain and the async step
 
     engine.call(break_runner).result(timeout=10)
 

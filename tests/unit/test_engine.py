@@ -1,5 +1,5 @@
 """The engine end to end on the shipped tiny model (random weights): API shapes, stopping,
-sampling options, errors, aborts and block accounting."""
+sampling options, errors, aborts and block accounting, with and without async scheduling."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from attnserve.engine.engine import PromptError
 from attnserve.entrypoints.cli import main
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(max_model_len=256, block_size=8)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request):
+    """Every test runs with and without async scheduling (the next step launched before the
+    last one is read back), which must not change any output."""
+    return LLM(max_model_len=256, block_size=8, async_scheduling=request.param)
 
 
 def greedy(**kw) -> SamplingParams:

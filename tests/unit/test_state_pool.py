@@ -73,7 +73,7 @@ def test_prefix_hit_restores_the_state_snapshot():
     sched.add_request(b)
     out = sched.schedule()
     (s,) = out.scheduled
-    assert b.num_computed_tokens == 8 and s.num_new_tokens == 3  # the hit covers 2 blocks; 3 tokens left
+    assert s.start == 8 and s.num_new_tokens == 3  # the hit covers 2 blocks; 3 tokens left
     snapshot = kv.state_pool.snapshots[b.block_hashes[1]]
     assert (snapshot, s.state_slot) in out.state_copies
     kv.check_integrity()
@@ -86,8 +86,8 @@ def test_without_snapshot_there_is_no_hit():
     run_steps(sched, 5)
     b = req("b", list(range(3, 11)) + [50, 51, 52])
     sched.add_request(b)
-    sched.schedule()
-    assert b.num_computed_tokens == 0  # the attention blocks are cached, but no state is
+    (s,) = sched.schedule().scheduled
+    assert s.start == 0  # the attention blocks are cached, but no state is
 
 
 def test_preemption_frees_the_state_slot():

@@ -4,6 +4,12 @@
 updates the scheduler and turns new tokens into outputs; ``abort_request`` stops requests and
 frees their blocks at once. The engine knows requests, the scheduler and the runner; it never
 touches model code and knows no server.
+
+With async scheduling (on by default on CUDA where the model allows it) a step schedules and
+launches the next forward before it reads back the one before, so the host's scheduling,
+input preparation and output processing run while the device computes: ``step`` returns the
+outputs of the previous forward. A step falls back to the plain order when a running request's
+sampling needs its latest tokens on the host (penalties, ``min_tokens``).
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from typing import Any
 from attnserve.config import EngineConfig
 from attnserve.engine.output import CompletionState, RequestState, make_detokenizer
 from attnserve.engine.request import Request, RequestStatus
-from attnserve.engine.scheduler import Scheduler
+from attnserve.engine.scheduler import Scheduler, SchedulerOutput
 from attnserve.outputs import RequestOutput
 from attnserve.runner.builder import EngineParts, build_engine_parts
+from attnserve.runner.model_runner import RunnerOutput, StepHandle
 from attnserve.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "PromptError"]
@@ -50,6 +57,23 @@ class LLMEngine:
         self.states: dict[str, RequestState] = {}
         self._child_to_state: dict[str, tuple[RequestState, CompletionState]] = {}
         self._ids = itertools.count()
+        self.async_scheduling = self._async_allowed(config.scheduler.async_scheduling)
+        self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not read back
+
+    def _async_allowed(self, wanted: bool | None) -> bool:
+        """Async scheduling needs a forward whose outcome depends only on what the device has:
+        not with state layers (slot snapshots follow the host's view), offloading (copies are
+        planned from finished steps), tensor parallelism, length-dependent RoPE or streaming."""
+        parts = self.parts
+        blockers = [why for why, bad in (
+            ("state layers", bool(parts.runner.state_caches)),
+            ("KV offloading", parts.runner.offload is not None),
+            ("tensor parallelism", parts.runner.workers is not None),
+            ("a length-dependent RoPE or StreamingLLM", self._uncacheable),
+            ("host-resident sparse latents", self.config.offload.kv_offload_sparse_latents)) if bad]
+        if wanted and blockers:
+            raise ValueError(f"async_scheduling is not supported with {', '.join(blockers)}")
+        return not blockers if wanted is None and parts.device.type == "cuda" else bool(wanted)
 
     @property
     def kv_manager(self):
@@ -118,6 +142,8 @@ class LLMEngine:
             for c in state.completions:
                 self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ABORTED)
                 self._forget(c.request.request_id)
+        if not self.states and self._pending is not None:  # the step in flight ran only these
+            self._finish_pending(False)
 
     def _forget(self, child_id: str) -> None:
         self._child_to_state.pop(child_id, None)
@@ -133,12 +159,38 @@ class LLMEngine:
     # --- the step ---------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one step; returns the (cumulative) output of every request that got a token, or
-        with ``final_only`` of every request that finished (``LLM.generate`` reads no others)."""
+        with ``final_only`` of every request that finished (``LLM.generate`` reads no others).
+
+        With async scheduling the outputs are those of the forward launched by the call before,
+        read back while this call's forward runs."""
+        if not self.async_scheduling:
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                return []
+            return self._process(sched_out, self.runner.execute(sched_out), final_only)
+        outputs = []
+        if self._pending is not None and any(r.needs_host_tokens for r in self.scheduler.running):
+            outputs = self._finish_pending(final_only)  # this step's sampling needs those tokens
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            return []
-        run_out = self.runner.execute(sched_out)
+        handle = None if sched_out.is_empty else self.runner.launch(sched_out)
+        if self._pending is not None:  # read back the previous forward while this one runs
+            outputs = self._finish_pending(final_only)
+        if handle is not None:
+            self._pending = (sched_out, handle)
+            if not self.states:  # every request it ran has ended: nothing of it will be read
+                self._finish_pending(final_only)
+        return outputs
+
+    def _finish_pending(self, final_only: bool) -> list[RequestOutput]:
+        sched_out, handle = self._pending
+        self._pending = None
+        return self._process(sched_out, self.runner.collect(handle), final_only)
+
+    def _process(self, sched_out: SchedulerOutput, run_out: RunnerOutput, final_only: bool) -> list[RequestOutput]:
+        """Scheduler update and output processing of one executed step."""
         for rid, entries in run_out.prompt_logprobs.items():
+            if rid not in self._child_to_state:  # aborted while its step ran
+                continue
             state, c = self._child_to_state[rid]
             c.request.num_prompt_logprobs_done += len(entries)
             if c.index == 0:

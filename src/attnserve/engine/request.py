@@ -39,7 +39,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced when a step is scheduled (its tokens count as computed)
+    # sampled tokens of launched steps not yet read back (async scheduling: at most one); the
+    # next step may already feed it to the model, taking it from the device
+    num_inflight: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not scheduled yet)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -77,6 +80,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens the model has or will have seen: prompt, outputs, and those still in flight."""
+        return len(self._all_token_ids) + self.num_inflight
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Sampling reads this request's latest outputs on the host (penalties, a min_tokens ban
+        that may still apply), so its next step cannot be scheduled before they are back."""
+        p = self.sampling_params
+        return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+                or self.num_output_tokens < p.min_tokens
+                or (p.prompt_logprobs is not None and self.num_prompt_logprobs_done < self.num_prompt_tokens - 1))
 
     @property
     def wants_prompt_logprobs(self) -> bool:

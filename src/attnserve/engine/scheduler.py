@@ -5,6 +5,13 @@ next prefill chunk), in admission order, then admits waiting requests while the 
 sequence limit and the KV cache allow. When the cache cannot hold a running request's next
 tokens, the most recently admitted request is preempted by recompute: its blocks are freed
 and it rejoins the front of the queue, to recompute prompt and output when it resumes.
+
+A scheduled step's tokens count as computed at once, and a step that samples leaves one token
+in flight (``Request.num_inflight``) until ``update`` appends it. So the next step can be
+scheduled before the last one's tokens are back (async scheduling): a request whose token is in
+flight gets that token as its next input, unless it is known to end there (``max_tokens``,
+``max_model_len``); one that ends on a stop token is scheduled once more and its extra token
+dropped.
 """
 
 from __future__ import annotations
@@ -29,16 +36,8 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[list[int]]  # per KV cache group: the KV manager's own lists, valid for this step
     state_slot: int = 0  # hybrid models: the request's state slot (0: none)
-
-    @property
-    def start(self) -> int:
-        """Position of the first token scheduled this step."""
-        return self.request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_new_tokens >= self.request.num_tokens
+    start: int = 0  # position of the first token scheduled this step
+    samples: bool = False  # the step reaches the end of the known tokens, so a token is sampled
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +98,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._align(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if req.num_inflight and self._ends_with_inflight(req):
+                i += 1  # its last token is in flight: nothing left to compute
+                continue
+            num_new = self._align(req, req.num_computed_tokens,
+                                  min(req.num_known_tokens - req.num_computed_tokens, budget))
             if len(self.running) == 1:  # alone: a smaller prefill chunk may fit where all does not
                 num_new = self._fit(req, num_new)
             if not num_new or not self.kv.allocate_slots(req, num_new):
@@ -118,8 +121,19 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), tuple(preempted), self.kv.take_state_copies(), jobs)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        """The step's entry for ``req``; its tokens count as computed from now on."""
         rid = req.request_id
-        return ScheduledRequest(req, num_new, self.kv.live_block_ids(rid), self.kv.state_slot(rid))
+        start = req.num_computed_tokens
+        samples = start + num_new >= req.num_known_tokens
+        req.num_computed_tokens = start + num_new
+        req.num_inflight += samples
+        return ScheduledRequest(req, num_new, self.kv.live_block_ids(rid), self.kv.state_slot(rid), start, samples)
+
+    def _ends_with_inflight(self, req: Request) -> bool:
+        """Whether the token in flight is the request's last one, by length."""
+        p = req.sampling_params
+        return (p.max_tokens is not None and req.num_output_tokens + req.num_inflight >= p.max_tokens) \
+            or req.num_known_tokens >= self.max_model_len
 
     def _align(self, req: Request, start: int, num_new: int) -> int:
         """Hybrid models keep state snapshots at block boundaries, so a prefill step ends on one:
@@ -202,9 +216,14 @@ class Scheduler:
         snapshots = self.kv.snapshots_enabled
         for s in output.scheduled:
             req = s.request
+            req.num_inflight -= s.samples
+            if req.status is RequestStatus.PREEMPTED and req.request_id in sampled:
+                # preempted by a step scheduled while this one ran: keep its token, which the
+                # recompute then includes (num_computed_tokens is already 0)
+                self._append(req, sampled[req.request_id], progressed)
+                continue
             if req.status is not RequestStatus.RUNNING:  # finished (aborted, stopped) or preempted
                 continue
-            req.num_computed_tokens += s.num_new_tokens
             snapshot = self.kv.snapshot_state(req) if snapshots else None
             if self.offload is not None and req.cacheable:
                 self.offload.prepare_store(req.request_id, req.block_hashes, self.kv.live_block_ids(req.request_id),
@@ -213,15 +232,18 @@ class Scheduler:
                     self.offload.prepare_state_store(*snapshot)
             if req.request_id not in sampled:
                 continue
-            req.append_output_token(sampled[req.request_id])
-            progressed.append(req)
-            self._check_stop(req)
-            if req.is_finished:
-                self._remove_running(req)
-            elif req.num_tokens == self.rope_recompute_len:
+            self._append(req, sampled[req.request_id], progressed)
+            if not req.is_finished and req.num_tokens == self.rope_recompute_len:
                 self.kv.free(req)
                 req.num_computed_tokens = 0
         return progressed
+
+    def _append(self, req: Request, token: int, progressed: list[Request]) -> None:
+        req.append_output_token(token)
+        progressed.append(req)
+        self._check_stop(req)
+        if req.is_finished:
+            self._remove(req)
 
     def _check_stop(self, req: Request) -> None:
         params = req.sampling_params
@@ -243,6 +265,12 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
+        self._remove(req)
+        req.status = status
+        req.stop_reason = stop_reason
+
+    def _remove(self, req: Request) -> None:
+        """Take a request out of the running list (freeing its blocks) or the queue."""
         if req in self.running:
             self._remove_running(req)
         else:
@@ -250,8 +278,6 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        req.status = status
-        req.stop_reason = stop_reason
 
     def _remove_running(self, req: Request) -> None:
         self.running.remove(req)

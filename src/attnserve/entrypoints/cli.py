@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--streaming-sinks", type=int, default=None)
     g.add_argument("--streaming-window", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device runs this one (default: on for CUDA "
+                        "where the model allows it)")
 
 
 _ENGINE_KEYS = ("attention_backend", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
@@ -50,7 +53,8 @@ _ENGINE_KEYS = ("attention_backend", "kv_cache_dtype", "block_size", "max_model_
                 "num_gpu_blocks_override", "enable_prefix_caching", "load_format", "dtype",
                 "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir",
                 "kv_offload_sparse_latents", "kv_offload_sparse_latents_size", "tensor_parallel_size",
-                "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager")
+                "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager",
+                "async_scheduling")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

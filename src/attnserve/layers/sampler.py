@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnserve.platforms import to_device
 from attnserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -34,6 +35,13 @@ __all__ = [
 ]
 
 _GREEDY_EPS = 1e-5  # temperature below this means greedy (SamplingParams.greedy)
+
+
+def _on(device: torch.device | str, values, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on ``device``, through pinned memory without blocking:
+    ``torch.tensor(..., device=cuda)`` waits for the whole stream, so a step launched ahead
+    would wait for the one still running (async scheduling)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,7 @@ class SamplingBatch:
     max_num_logprobs: int | None  # largest `logprobs` among rows; None = no row wants any
     all_greedy: bool = False
     all_random: bool = False
+    max_top_k: int | None = None  # the largest enabled top_k, known on the host (no device sync)
 
     def __post_init__(self) -> None:
         n = self.num_rows
@@ -110,15 +119,16 @@ class SamplingBatch:
         def column(values: list, dtype: torch.dtype, default) -> torch.Tensor | None:
             if all(v == default for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=device)
+            return _on(device, values, dtype)
 
         temps = [p.temperature for p in params]
         greedy = [t < _GREEDY_EPS for t in temps]
         if banned_token_ids is not None and not any(banned_token_ids):
             banned_token_ids = None
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        top_ks = [p.top_k for p in params if p.top_k > 0]
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            temperature=_on(device, temps, torch.float32),
             top_k=column([max(p.top_k, 0) for p in params], torch.int64, 0),
             top_p=column([p.top_p for p in params], torch.float32, 1.0),
             min_p=column([p.min_p for p in params], torch.float32, 0.0),
@@ -132,6 +142,7 @@ class SamplingBatch:
             max_num_logprobs=max(logprobs) if logprobs else None,
             all_greedy=len(params) > 0 and all(greedy),
             all_random=len(params) > 0 and not any(greedy),
+            max_top_k=max(top_ks) if top_ks else None,
         )
 
 
@@ -174,8 +185,8 @@ def _scatter_rows(
     token_ids: Sequence[list[int]], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten per-row id lists to (row index, token id) tensors, dropping ids >= vocab_size."""
-    lengths = torch.tensor([len(r) for r in token_ids], dtype=torch.int64, device=device)
-    flat = torch.tensor([t for r in token_ids for t in r], dtype=torch.int64, device=device)
+    lengths = _on(device, [len(r) for r in token_ids], torch.int64)
+    flat = _on(device, [t for r in token_ids for t in r], torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
     keep = flat < vocab_size
     return rows[keep], flat[keep]
@@ -222,12 +233,13 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """``[N, 1]`` the k-th largest logit per row (``-inf`` where top-k is disabled)."""
+def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """``[N, 1]`` the k-th largest logit per row (``-inf`` where top-k is disabled); ``max_k``,
+    the largest enabled top_k if the host knows it, saves reading it back from the device."""
     vocab_size = logits.shape[-1]
     disabled = (top_k <= 0) | (top_k >= vocab_size)
     k = torch.where(disabled, 1, top_k)  # [N]
-    max_k = int(k.max())
+    max_k = int(k.max()) if max_k is None else max(1, min(max_k, vocab_size))
     top_vals = torch.topk(logits, max_k, dim=-1).values  # [N, max_k], descending
     threshold = top_vals.gather(-1, (k - 1).unsqueeze(-1))  # [N, 1]
     return threshold.masked_fill(disabled.unsqueeze(-1), float("-inf"))
@@ -261,7 +273,7 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temperature = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
     logits = logits / temperature.unsqueeze(-1)
     if batch.top_k is not None:
-        logits = logits.masked_fill(logits < _top_k_threshold(logits, batch.top_k), -torch.inf)
+        logits = logits.masked_fill(logits < _top_k_threshold(logits, batch.top_k, batch.max_top_k), -torch.inf)
     if batch.top_p is not None:
         logits = logits.masked_fill(logits < _top_p_threshold(logits, batch.top_p), -torch.inf)
     probs = logits.softmax(dim=-1)
@@ -292,8 +304,8 @@ def _exponential_race(
             )
             for i in seeded
         ]
-        index = torch.tensor(seeded, device=probs.device)
-        q[index] = torch.stack(draws).to(probs.device)  # [len(seeded), V]
+        index = _on(probs.device, seeded)
+        q[index] = to_device(torch.stack(draws), probs.device)  # [len(seeded), V]
     # Exp(1) can round to 0; a zero would turn a filtered-out 0 into 0/0 = nan.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)

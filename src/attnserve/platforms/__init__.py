@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from attnserve.platforms.base import Platform
 
-__all__ = ["Platform", "current_platform", "get_platform", "PLATFORM_NAMES"]
+__all__ = ["Platform", "current_platform", "get_platform", "PLATFORM_NAMES", "to_device"]
 
 PLATFORM_NAMES = ("cpu", "cuda", "rocm")
 
@@ -43,3 +45,14 @@ def current_platform() -> Platform:
     if torch.cuda.is_available():
         return get_platform("rocm" if getattr(torch.version, "hip", None) else "cuda")
     return get_platform("cpu")
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``. To CUDA the copy goes through pinned memory without
+    blocking: a plain copy (or ``torch.tensor(..., device=cuda)``) waits for all the work queued
+    on the stream, so a step launched ahead of the one running (async scheduling) would wait
+    for it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -4,6 +4,11 @@ It owns the model, the KV cache tensors and one attention backend per KV cache g
 step it lays the scheduled tokens out flat (decodes first), builds ``CommonAttentionMetadata``
 once, lets every group's backend derive its own metadata, runs the model inside the forward
 context, and samples from the logits of the rows that need a token.
+
+``execute`` is ``launch`` then ``collect``: ``launch`` queues the step's device work and
+returns at once; ``collect`` waits for it and reads the tokens back. Between the two the engine
+may launch the next step (async scheduling): a decode whose input token was sampled by the
+step before and is not yet on the host reads it from that step's device tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from attnserve.kvcache.groups import KVCacheGroup
 from attnserve.layers.rotary import RotaryEmbedding
-from attnserve.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from attnserve.layers.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    gather_logprobs,
+)
+from attnserve.platforms import to_device
 from attnserve.runner.block_table import BlockTables
 from attnserve.runner.forward_context import ForwardContext, forward_context
 from attnserve.runner.offload_io import written_blocks
@@ -28,7 +40,7 @@ from attnserve.runner.offload_io import written_blocks
 if TYPE_CHECKING:
     from attnserve.runner.worker import WorkerGroup
 
-__all__ = ["ModelRunner", "RunnerOutput", "TokenLogprobs"]
+__all__ = ["ModelRunner", "RunnerOutput", "StepHandle", "TokenLogprobs"]
 
 # (token ids, logprobs, rank of the first id): the chosen/prompt token first, then the top-k
 TokenLogprobs = tuple[list[int], list[float], int]
@@ -39,6 +51,31 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step's results, on their way to the host: each tensor is copied into pinned
+    memory as soon as it is computed, and ``event`` marks the last copy, so reading them back
+    waits for this step alone, not for a step launched after it on the same stream."""
+
+    sample_reqs: list = field(default_factory=list)
+    sampled: torch.Tensor | None = None  # [N] int64, host
+    logprobs: LogprobsTensors | None = None  # host
+    prompt: list = field(default_factory=list)  # (request id, LogprobsTensors on the host) per prompt span
+    event: torch.cuda.Event | None = None
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying ``t`` to (pinned) host memory without waiting for it."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _lp_to_host(lp: LogprobsTensors) -> LogprobsTensors:
+    return LogprobsTensors(_to_host(lp.token_ids), _to_host(lp.logprobs), _to_host(lp.ranks))
 
 
 class ModelRunner:
@@ -60,6 +97,9 @@ class ModelRunner:
         for m in model.modules():  # RoPE tables sized once: no per-step host syncs
             if isinstance(m, RotaryEmbedding):
                 m.reserve(max_model_len, device)
+        # the last launched step's sampled ids on the device, and each request's row in them
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             self._capture_graphs(backends, max_num_seqs, max_model_len)
@@ -77,18 +117,23 @@ class ModelRunner:
         """Flat token ids and the step's metadata; per-token arrays are built with numpy from
         each request's start and length, block tables from the persistent rows."""
         n = len(scheduled)
-        starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, n)
+        starts = np.fromiter((s.start for s in scheduled), np.int64, n)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
         seq_lens = starts + query_lens
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
         ids: list[int] = []
+        inflight: list[tuple[int, int]] = []  # (flat position, row of the last step's samples)
         for s in scheduled:
-            start, k = s.request.num_computed_tokens, s.num_new_tokens
+            start, k, tokens = s.start, s.num_new_tokens, s.request.all_token_ids
             if k == 1:
-                ids.append(s.request.all_token_ids[start])
+                if start < len(tokens):
+                    ids.append(tokens[start])
+                else:  # sampled by the step still running: read it on the device
+                    inflight.append((len(ids), self._inflight_row(s.request.request_id)))
+                    ids.append(0)
             else:
-                ids.extend(s.request.all_token_ids[start:start + k])
+                ids.extend(tokens[start:start + k])
         req_of_token = np.repeat(np.arange(n), query_lens)  # [T]
         positions = np.arange(len(ids)) - np.repeat(qsl[:-1] - starts, query_lens)  # [T] start + offset
         rows, widths = self.block_tables.update(scheduled)
@@ -114,16 +159,29 @@ class ModelRunner:
         token_seq_lens = self._to_device(rope_lens[req_of_token])
         metas = [b.build_metadata(common, g) for g, b in enumerate(self.backends)]
         input_ids = self._to_device(np.array(ids, dtype=np.int64))
+        if inflight:
+            dst, src = (self._to_device(np.array(c, dtype=np.int64)) for c in zip(*inflight))
+            input_ids[dst] = self._last_sampled[src]
         return input_ids, ForwardContext(common=common, attn_metadata=metas, token_seq_lens=token_seq_lens)
 
+    def _inflight_row(self, request_id: str) -> int:
+        row = self._last_rows.get(request_id)
+        if row is None:
+            raise RuntimeError(f"request {request_id} is scheduled on a token the last step did not sample")
+        return row
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array (made for this step only) as a tensor on the device."""
-        tensor = torch.from_numpy(array)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+        """A host array (made for this step only) as a tensor on the device (pinned, no wait)."""
+        return to_device(torch.from_numpy(array), self.device)
 
     # --- the step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """Run one step and read its results back."""
+        return self.collect(self.launch(output))
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput) -> StepHandle:
+        """Queue one step's forward and sampling on the device; nothing is read back yet."""
         # decodes first (those with history before one-token prompts): backends batch them
         scheduled = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start == 0))
         self._copy_states(output.state_copies)  # snapshot saves and restores first,
@@ -147,16 +205,44 @@ class ModelRunner:
         else:
             with forward_context(ctx):
                 hidden = self.model(input_ids, ctx.common.positions)
-        result = RunnerOutput()
+        handle = StepHandle(sample_reqs)
         if not rows:
-            return result
-        logits = self.model.compute_logits(hidden[rows])  # [len(rows), V]
+            return handle
+        index = rows if self.device.type == "cpu" else self._to_device(np.array(rows, dtype=np.int64))
+        logits = self.model.compute_logits(hidden[index])  # [len(rows), V]
         if sample_reqs:
-            self._sample(logits[: len(sample_reqs)], sample_reqs, result)
+            out = self._sample(logits[: len(sample_reqs)], sample_reqs)
+            self._last_sampled = out.sampled_token_ids
+            self._last_rows = {r.request_id: j for j, r in enumerate(sample_reqs)}
+            handle.sampled = _to_host(out.sampled_token_ids)
+            handle.logprobs = None if out.logprobs is None else _lp_to_host(out.logprobs)
         offset = len(sample_reqs)
         for s, first, last in prompt_spans:
-            self._prompt_logprobs(logits[offset: offset + last - first], s, first, last, result)
+            lp = self._prompt_logprobs(logits[offset: offset + last - first], s, first, last)
+            handle.prompt.append((s.request.request_id, _lp_to_host(lp)))
             offset += last - first
+        if self.device.type == "cuda":
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        return handle
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step and read its tokens and logprobs back to the host."""
+        result = RunnerOutput()
+        if handle.event is not None:
+            handle.event.synchronize()
+        if handle.sampled is not None:
+            tokens = handle.sampled.tolist()
+            lp = handle.logprobs
+            for j, r in enumerate(handle.sample_reqs):
+                result.sampled[r.request_id] = tokens[j]
+                if r.sampling_params.logprobs is not None and lp is not None:
+                    k = r.sampling_params.logprobs
+                    result.logprobs[r.request_id] = (lp.token_ids[j, : k + 1].tolist(),
+                                                     lp.logprobs[j, : k + 1].tolist(), int(lp.ranks[j]))
+        for rid, lp in handle.prompt:
+            result.prompt_logprobs[rid] = [(ids, vals, rank) for ids, vals, rank in
+                                           zip(lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist())]
         return result
 
     def shutdown(self) -> None:
@@ -171,7 +257,7 @@ class ModelRunner:
                 for t in cache.tensors():
                     t[dst].copy_(t[src])
 
-    def _sample(self, logits: torch.Tensor, reqs: list, result: RunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list) -> SamplerOutput:
         params = [r.sampling_params for r in reqs]
         banned = []
         for r in reqs:
@@ -184,15 +270,7 @@ class ModelRunner:
             params, generators=[r.generator for r in reqs], output_token_ids=[r.output_token_ids for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             banned_token_ids=banned if any(banned) else None, device=logits.device)
-        out = self.sampler(logits, batch)
-        tokens = out.sampled_token_ids.tolist()
-        for j, r in enumerate(reqs):
-            result.sampled[r.request_id] = tokens[j]
-            if r.sampling_params.logprobs is not None and out.logprobs is not None:
-                k = r.sampling_params.logprobs
-                lp = out.logprobs
-                result.logprobs[r.request_id] = (lp.token_ids[j, : k + 1].tolist(),
-                                                 lp.logprobs[j, : k + 1].tolist(), int(lp.ranks[j]))
+        return self.sampler(logits, batch)
 
     @staticmethod
     def _prompt_span(s: ScheduledRequest) -> tuple[int, int] | None:
@@ -202,15 +280,12 @@ class ModelRunner:
         last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
         return (first, last) if last > first else None
 
-    def _prompt_logprobs(self, logits: torch.Tensor, s: ScheduledRequest, first: int, last: int,
-                         result: RunnerOutput) -> None:
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, s: ScheduledRequest, first: int, last: int):
         req = s.request
         logprobs = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(req.prompt_token_ids[first + 1: last + 1], device=logprobs.device)
-        k = req.sampling_params.prompt_logprobs
-        lp = gather_logprobs(logprobs, targets, k)
-        result.prompt_logprobs[req.request_id] = [
-            (lp.token_ids[j].tolist(), lp.logprobs[j].tolist(), int(lp.ranks[j])) for j in range(last - first)]
+        targets = to_device(torch.tensor(req.prompt_token_ids[first + 1: last + 1]), logprobs.device)
+        return gather_logprobs(logprobs, targets, req.sampling_params.prompt_logprobs)
 
 
 def _leading_true(mask: np.ndarray) -> int:

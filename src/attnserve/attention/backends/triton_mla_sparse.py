@@ -28,6 +28,7 @@ from attnserve.attention.backends.torch_mla_sparse import write_and_attend, writ
 from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.attention.ops.triton_mla_sparse import lightning_indexer_topk, sparse_mla
+from attnserve.platforms import to_device
 
 __all__ = ["TritonMLASparseBackend", "TritonMLASparseMetadata"]
 
@@ -67,7 +68,7 @@ class TritonMLASparseBackend(AttentionBackend):
     ) -> TritonMLASparseMetadata:
         bt = common.block_tables[group_id]
         nd = common.num_decodes
-        query_lens = torch.tensor(common.query_lens_cpu, device=bt.device)
+        query_lens = to_device(torch.tensor(common.query_lens_cpu), bt.device)  # no stream wait
         reqs = torch.arange(common.num_reqs, dtype=torch.int32, device=bt.device)
         q = common.query_start_loc_cpu
         return TritonMLASparseMetadata(
@@ -119,7 +120,7 @@ class TritonMLASparseBackend(AttentionBackend):
         for start, end, req, seq_len in md.prefills:
             table, lens = md.block_table[req : req + 1], md.seq_lens[req : req + 1]
             for a, b in _chunks(start, end, seq_len):
-                qsl = torch.tensor([0, b - a], dtype=torch.int32, device=q.device)
+                qsl = to_device(torch.tensor([0, b - a], dtype=torch.int32), q.device)
                 out[a:b] = lightning_indexer_topk(
                     q[a:b], weights[a:b], cache, table, qsl, lens, md.positions[a:b], topk=topk,
                     max_query_len=b - a, max_seq_len=seq_len,
