@@ -28,8 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.models.parity import VOCAB, make_prompts  # noqa: E402
+from tests.models.test_parity_alibi import FAMILIES as ALIBI_FAMILIES  # noqa: E402
+from tests.models.test_parity_classic import FAMILIES as CLASSIC_FAMILIES  # noqa: E402
 from tests.models.test_parity_dsa import FAMILIES as DSA_FAMILIES  # noqa: E402
+from tests.models.test_parity_gemma import FAMILIES as GEMMA_FAMILIES  # noqa: E402
 from tests.models.test_parity_hybrid import HYBRID as HYBRID_FAMILIES  # noqa: E402
+from tests.models.test_standard_parity import FAMILIES as STANDARD_FAMILIES  # noqa: E402
 
 DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -72,6 +76,13 @@ FAMILIES["qwen3_next"] = HYBRID_FAMILIES["qwen3_next"]
 FAMILIES["kimi_linear"] = HYBRID_FAMILIES["kimi_linear"]
 FAMILIES["jamba"] = HYBRID_FAMILIES["jamba"]
 FAMILIES["minimax"] = HYBRID_FAMILIES["minimax"]
+# the rest of the standard families, with their CPU parity configs (falcon's ALiBi variant is
+# left out: transformers' eager path is not its reference, see test_parity_alibi.py)
+FAMILIES["qwen2"] = STANDARD_FAMILIES["qwen2"]
+FAMILIES["gemma"] = GEMMA_FAMILIES["gemma"]
+FAMILIES["gemma3_text"] = GEMMA_FAMILIES["gemma3_text"]
+FAMILIES["bigcode_mqa"] = CLASSIC_FAMILIES["bigcode_mqa"]
+FAMILIES["mpt_clip_qkv"] = ALIBI_FAMILIES["mpt_6h"]
 LENGTHS = [5, 12, 19, 27, 40, 64]
 MODES = (("graphs", {}), ("eager", {"enforce_eager": True}),
          ("chunked", {"max_num_batched_tokens": 16, "enforce_eager": True}))

@@ -38,9 +38,10 @@ def model_dir(name: str) -> str:
     return d
 
 
-def latency_8b(input_len: int = 128, output_len: int = 256) -> dict:
+def latency_8b(input_len: int = 128, output_len: int = 256, async_scheduling: bool | None = None) -> dict:
     d = model_dir("meta-llama/Llama-3.1-8B-Instruct")
-    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85)
+    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85,
+              async_scheduling=async_scheduling)
     cfg = json.loads((Path(d) / "config.json").read_text())
     params = sum(p.numel() for p in llm.llm_engine.runner.model.parameters())
     weight_bytes = (params - cfg["vocab_size"] * cfg["hidden_size"]) * 2  # the input embedding is not read
@@ -63,10 +64,25 @@ def latency_8b(input_len: int = 128, output_len: int = 256) -> dict:
     decode_tps = (output_len - 1) / (elapsed - prefill)
     kv_bytes = (input_len + output_len / 2) * 32 * 8 * 128 * 2 * 2
     floor_s = (weight_bytes + kv_bytes) / BANDWIDTH
+    async_scheduling = llm.llm_engine.async_scheduling
     del llm
     torch.cuda.empty_cache()
     return {"params": params, "weight_bytes": weight_bytes, "request_s": elapsed, "prefill_s": prefill,
-            "decode_tok_s": decode_tps, "floor_tok_s": 1 / floor_s, "fraction_of_floor": decode_tps * floor_s}
+            "decode_tok_s": decode_tps, "floor_tok_s": 1 / floor_s, "fraction_of_floor": decode_tps * floor_s,
+            "async_scheduling": async_scheduling}
+
+
+def _count_compiles(stop: bool = False) -> list[str]:
+    """Names of the Triton kernels compiled from now on (a compile inside a timed run costs
+    about a second on the H200); ``stop`` removes the hook."""
+    from triton import knobs
+
+    if stop:
+        knobs.runtime.jit_post_compile_hook = None
+        return []
+    names: list[str] = []
+    knobs.runtime.jit_post_compile_hook = lambda *, fn, **_: names.append(fn.name)
+    return names
 
 
 def workload(n: int = 256, lo: int = 100, hi: int = 1024, vocab: int = 151936, seed: int = 0):
@@ -75,10 +91,10 @@ def workload(n: int = 256, lo: int = 100, hi: int = 1024, vocab: int = 151936, s
             for _ in range(n)]
 
 
-def throughput_attnserve(reqs) -> dict:
+def throughput_attnserve(reqs, async_scheduling: bool | None = None) -> dict:
     d = model_dir("Qwen/Qwen3-0.6B")
     llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=16384, gpu_memory_utilization=0.85)
+              max_num_batched_tokens=16384, gpu_memory_utilization=0.85, async_scheduling=async_scheduling)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     # token ids out, as nano-vllm's benchmark counts them: with dummy weights and the byte
     # tokenizer nearly every id is U+FFFD, which incremental detokenisation re-decodes per step
@@ -86,26 +102,48 @@ def throughput_attnserve(reqs) -> dict:
     llm.generate(prompts[:8], params[:8])  # warm-up
     stats = llm.llm_engine.scheduler.stats
     steps0, preempt0 = stats.steps, stats.num_preemptions  # the warm-up's, left out below
+    compiled = _count_compiles()
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
+    _count_compiles(stop=True)
+    llm_async = llm.llm_engine.async_scheduling
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     del llm
     torch.cuda.empty_cache()
     return {"elapsed_s": elapsed, "output_tokens": out_tokens, "tok_s": out_tokens / elapsed,
-            "steps": stats.steps - steps0, "preemptions": stats.num_preemptions - preempt0}
+            "steps": stats.steps - steps0, "preemptions": stats.num_preemptions - preempt0,
+            "async_scheduling": llm_async, "triton_compiles_in_run": compiled}
 
 
-def throughput_hf(reqs, batch: int = 256) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def throughput_hf(reqs, batch: int = 256, budget_s: float = 150.0) -> dict:
+    """transformers ``generate`` on the same workload, batched and left-padded; each batch runs
+    to its longest output. Stopped after ``budget_s``: the useful tokens are then those of the
+    steps that ran (a row is useful while it is within its own output length), which leaves
+    out the batch's tail, where few rows are still useful: the rate is an upper bound."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        StoppingCriteria,
+        StoppingCriteriaList,
+    )
+
+    class Deadline(StoppingCriteria):
+        def __init__(self, t_end: float):
+            self.t_end, self.steps = t_end, 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.steps += 1
+            done = time.perf_counter() > self.t_end
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
     cfg = AutoConfig.from_pretrained(str(Path(model_dir("Qwen/Qwen3-0.6B"))))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    useful = 0
+    useful, complete = 0, True
     torch.cuda.synchronize()
     t = time.perf_counter()
     for i in range(0, len(reqs), batch):
@@ -117,13 +155,19 @@ def throughput_hf(reqs, batch: int = 256) -> dict:
             ids[j, width - len(p):] = torch.tensor(p)
             mask[j, width - len(p):] = 1
         new = max(o for _, o in chunk)
+        deadline = Deadline(t + budget_s)
         with torch.inference_mode():
-            model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=False, max_new_tokens=new,
-                           min_new_tokens=new)
-        useful += sum(o for _, o in chunk)
+            out = model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=False, max_new_tokens=new,
+                                 min_new_tokens=new, stopping_criteria=StoppingCriteriaList([deadline]))
+        steps = out.shape[1] - width
+        useful += sum(min(o, steps) for _, o in chunk)
+        if steps < new:
+            complete = False
+            break
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
-    return {"elapsed_s": elapsed, "useful_output_tokens": useful, "tok_s": useful / elapsed, "batch": batch}
+    return {"elapsed_s": elapsed, "useful_output_tokens": useful, "tok_s": useful / elapsed, "batch": batch,
+            "complete": complete, "note": None if complete else f"stopped after {budget_s:.0f} s (upper bound)"}
 
 
 def main() -> None:
@@ -134,9 +178,10 @@ def main() -> None:
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name()}
     reqs = workload()
-    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs))]
+    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs)),
+             ("nano_vllm_attnserve_sync", lambda: throughput_attnserve(reqs, async_scheduling=False))]
     if not args.skip_latency:
-        steps.insert(0, ("latency_8b", latency_8b))
+        steps[:0] = [("latency_8b", latency_8b), ("latency_8b_sync", lambda: latency_8b(async_scheduling=False))]
     if not args.skip_hf:
         steps.append(("nano_vllm_transformers", lambda: throughput_hf(reqs)))
     for name, fn in steps:
@@ -156,18 +201,21 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
     print("\n| benchmark | result |\n| --- | --- |")
-    if "latency_8b" in result:
-        r = result["latency_8b"]
-        print(f"| Llama-3.1-8B shape, batch 1 decode | {r['decode_tok_s']:.1f} tok/s; floor {r['floor_tok_s']:.0f} tok/s "
-              f"({r['fraction_of_floor']:.0%} of it) |")
-    r = result.get("nano_vllm_attnserve")
-    if r is None:
-        return
-    line = f"| nano-vllm workload (Qwen3-0.6B, 256 req) | attnserve {r['tok_s']:.0f} tok/s ({r['elapsed_s']:.1f} s)"
-    if "nano_vllm_transformers" in result:
-        h = result["nano_vllm_transformers"]
-        line += f"; transformers {h['tok_s']:.0f} tok/s; ratio {r['tok_s'] / h['tok_s']:.1f}x"
-    print(line + " |")
+    for key, label in (("latency_8b", "async"), ("latency_8b_sync", "sync")):
+        if key in result:
+            r = result[key]
+            print(f"| Llama-3.1-8B shape, batch 1 decode ({label}) | {r['decode_tok_s']:.1f} tok/s; floor "
+                  f"{r['floor_tok_s']:.0f} tok/s ({r['fraction_of_floor']:.0%} of it) |")
+    h = result.get("nano_vllm_transformers")
+    for key, label in (("nano_vllm_attnserve", "async"), ("nano_vllm_attnserve_sync", "sync")):
+        r = result.get(key)
+        if r is None:
+            continue
+        line = f"| nano-vllm workload ({label}) | attnserve {r['tok_s']:.0f} tok/s ({r['elapsed_s']:.1f} s, {r['steps']} steps)"
+        if h is not None:
+            line += f"; transformers {h['tok_s']:.0f} tok/s{' (' + h['note'] + ')' if h['note'] else ''}; " \
+                    f"ratio {r['tok_s'] / h['tok_s']:.1f}x"
+        print(line + " |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ variant's time and the best, so the defaults in ``triton_paged_attention.py`` ca
 measurements rather than guesses.
 
     python benchmarks/tune_attention.py [--budget-s 300]
+    python benchmarks/tune_attention.py --splits   # KV splits only, small batches, default tiles
 """
 
 from __future__ import annotations
@@ -55,10 +56,49 @@ def time_prefill(n: int, cfg) -> float:
     return t, 4 * n * n * ga.HEAD * ga.HEADS / 2 / t / 1e12
 
 
+SPLIT_BATCHES = (1, 2, 4, 8, 16)
+SPLIT_CTX = (1024, 4096, 16384, 32768, 65536)
+
+
+def sweep_splits(budget_s: float) -> dict:
+    """Every power-of-two split count (down to 64 keys a split) at small batches, default tiles."""
+    start = time.time()
+    config_fn, auto_fn = tpa.pick_config, tpa.pick_num_splits  # time_decode replaces both
+    cfg = config_fn(ga.HEAD, ga.HEADS // ga.KV_HEADS, 1, interpret=False)
+    results = {}
+    for batch, ctx in itertools.product(SPLIT_BATCHES, SPLIT_CTX):
+        if time.time() - start > budget_s:
+            break
+        auto = auto_fn(batch, ga.KV_HEADS, 1, ctx, torch.device("cuda"))
+        rows = []
+        splits = 1
+        while splits <= min(256, ctx // 64):
+            t, frac = time_decode(batch, ctx, cfg, splits)
+            rows.append({"splits": splits, "us": t * 1e6, "pct_bw": 100 * frac})
+            splits *= 2
+        best = min(rows, key=lambda r: r["us"])
+        at_auto = next(r for r in rows if r["splits"] == auto)
+        results[f"{batch}x{ctx}"] = {"auto": auto, "rows": rows}
+        print(f"splits B={batch:>2} ctx={ctx:>6}: auto {auto:>3} {at_auto['us']:7.1f} us {at_auto['pct_bw']:5.1f}% | "
+              f"best {best['splits']:>3} {best['us']:7.1f} us {best['pct_bw']:5.1f}%  "
+              + " ".join(f"{r['splits']}:{r['us']:.1f}" for r in rows), flush=True)
+        torch.cuda.empty_cache()
+    tpa.pick_config, tpa.pick_num_splits = config_fn, auto_fn
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--splits", action="store_true", help="sweep KV splits only (small-batch decode)")
     args = ap.parse_args()
+    if args.splits:
+        results = sweep_splits(args.budget_s)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "tune_splits.json"), "w") as f:
+                json.dump(results, f, indent=2)
+        return
     start = time.time()
     original_config, original_splits = tpa.pick_config, tpa.pick_num_splits
     results = {"decode": {}, "prefill": {}}
