@@ -9,7 +9,8 @@ With async scheduling (on by default on CUDA where the model allows it) a step s
 launches the next forward before it reads back the one before, so the host's scheduling,
 input preparation and output processing run while the device computes: ``step`` returns the
 outputs of the previous forward. A step falls back to the plain order when a running request's
-sampling needs its latest tokens on the host (penalties, ``min_tokens``).
+sampling needs its latest tokens on the host (penalties, ``min_tokens``, prompt logprobs
+still being computed).
 """
 
 from __future__ import annotations
