@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from attnserve.attention.ops.triton_kv_write import write_kv_cache
-from attnserve.attention.ops.triton_paged_attention import pick_num_splits, unified_attention
 from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv
+from attnserve.ops.triton_kv_write import write_kv_cache
+from attnserve.ops.triton_paged_attention import pick_num_splits, unified_attention
 
 PEAK_BW = 4.25e12  # bytes/s, device copy on the lent H200 (read + write)
 HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16

@@ -1,4 +1,4 @@
-"""H200 benchmark of the fused Gated DeltaNet decode step (``attention/ops/triton_gdn.py``).
+"""H200 benchmark of the fused Gated DeltaNet decode step (``ops/triton_gdn.py``).
 
 1. Checks the kernel against its PyTorch twin (``delta_rule_decode``) on the same inputs and
    state rows (random order in a larger pool): bf16 q/k/v, float32 state, Qwen3-Next's heads,
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from attnserve.attention.ops.triton_gdn import fused_delta_rule_decode  # noqa: E402
-from attnserve.layers.state_ops import delta_rule_decode, gated_delta_decode  # noqa: E402
+from attnserve.attention.state import delta_rule_decode, gated_delta_decode  # noqa: E402
+from attnserve.ops.triton_gdn import fused_delta_rule_decode  # noqa: E402
 
 BANDWIDTH = 4.25e12
 QWEN3_NEXT = (16, 32, 128, 128)  # Hk, Hv, dk, dv

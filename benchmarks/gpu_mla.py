@@ -41,14 +41,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from attnserve.attention.backends.torch_mla_sparse import index_scores  # noqa: E402
-from attnserve.attention.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
-from attnserve.attention.ops.triton_mla_sparse import (  # noqa: E402
-    IndexerConfig,
-    indexer_logits,
-    lightning_indexer_topk,
-    sparse_mla,
-    topk_from_logits,
-)
 from attnserve.attention.reference_mla import (  # noqa: E402
     absorb_q,
     apply_w_uv,
@@ -64,6 +56,14 @@ from attnserve.kvcache.fp8 import (  # noqa: E402
     mla_fp8_row_bytes,
     mla_fp8_views,
     quantize_act_fp8,
+)
+from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
+from attnserve.ops.triton_mla_sparse import (  # noqa: E402
+    IndexerConfig,
+    indexer_logits,
+    lightning_indexer_topk,
+    sparse_mla,
+    topk_from_logits,
 )
 
 PEAK_BW = 4.25e12  # bytes/s, device copy on the lent H200 (read + write)

@@ -1,4 +1,4 @@
-"""H200 benchmark of the grouped MoE kernels (``attention/ops/triton_moe.py``).
+"""H200 benchmark of the grouped MoE kernels (``ops/triton_moe.py``).
 
 1. Checks, bf16, against ``FusedExperts._forward_torch`` (the PyTorch expert loop) on the same
    weights: ``max|out - ref| / max|ref|`` at most 2e-2, for SwiGLU and GPT-OSS's clamped form.

@@ -1,4 +1,4 @@
-"""H200 benchmark of the fused Mamba-1 and lightning decode steps (``attention/ops/triton_state_decode.py``).
+"""H200 benchmark of the fused Mamba-1 and lightning decode steps (``ops/triton_state_decode.py``).
 
 1. Checks each kernel against its PyTorch twin (``selective_scan_decode``,
    ``lightning_attention_decode``) on the same inputs and state rows (random order in a larger
@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from attnserve.attention.ops.triton_state_decode import (  # noqa: E402
+from attnserve.attention.state import lightning_attention_decode, selective_scan_decode  # noqa: E402
+from attnserve.ops.triton_state_decode import (  # noqa: E402
     fused_lightning_decode,
     fused_selective_scan_decode,
 )
-from attnserve.layers.state_ops import lightning_attention_decode, selective_scan_decode  # noqa: E402
 
 BANDWIDTH = 4.25e12
 JAMBA = (8192, 16)  # d_inner, d_state (Jamba-1.5-Mini)

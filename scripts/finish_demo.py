@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from attnserve.arch import read_arch
+
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ROOT / "src/attnserve/presets/models"
 DATA = ROOT / "tests/models/data"
@@ -63,7 +65,7 @@ def plot() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from attnserve.arch import ModelArch, load_hf_config
+    from attnserve.arch import load_hf_config
     from attnserve.config import CacheConfig
     from attnserve.entrypoints.inspect import _sequence_bytes
     from attnserve.kvcache.groups import cache_entries
@@ -71,7 +73,7 @@ def plot() -> None:
     xs = [2**k for k in range(6, 12)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in NAMES:
-        arch = ModelArch.from_hf(load_hf_config(PRESETS / name))
+        arch = read_arch(load_hf_config(PRESETS / name))
         entries = cache_entries(arch, CacheConfig(block_size=16), "bfloat16")
         ax.plot(xs, [_sequence_bytes(entries, x) / 1024 for x in xs], marker="o",
                 label=f"{name} ({arch.mechanism.value})")

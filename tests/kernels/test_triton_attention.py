@@ -23,12 +23,12 @@ try:
 except ImportError:
     pytest.skip("triton is not installed (pip install attnserve[gpu])", allow_module_level=True)
 
-from attnserve.attention.ops.triton_kv_write import write_kv_cache  # noqa: E402
-from attnserve.attention.ops.triton_paged_attention import (  # noqa: E402
+from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
+from attnserve.ops.triton_kv_write import write_kv_cache  # noqa: E402
+from attnserve.ops.triton_paged_attention import (  # noqa: E402
     pick_config,
     unified_attention,
 )
-from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 # (query_lens, seq_lens): each request's new tokens are the last of its sequence.
@@ -326,7 +326,7 @@ def test_write_kv_int32_slots_and_views():
 
 # The real launch code's calls (GPU configs, constexprs, dtypes), compiled for sm_90 (``sm90.py``).
 _LAUNCHES = r"""
-from attnserve.attention.ops import triton_kv_write as W, triton_paged_attention as A
+from attnserve.ops import triton_kv_write as W, triton_paged_attention as A
 
 record(A, "_attention_kernel", "_merge_splits_kernel")
 record(W, "_write_kv_kernel")

@@ -38,11 +38,11 @@ if _IMPORTED_TOO_EARLY:
     )
 
 from attnserve.arch import RopeConfig  # noqa: E402
-from attnserve.attention.ops import triton_fused  # noqa: E402
 from attnserve.layers import fused  # noqa: E402
 from attnserve.layers.activation import gated, get_act_fn  # noqa: E402
 from attnserve.layers.norm import RMSNorm  # noqa: E402
 from attnserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from attnserve.ops import triton_fused  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 _MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}

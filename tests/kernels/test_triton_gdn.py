@@ -1,5 +1,5 @@
 """ops/triton_gdn.py (the fused gated-delta-rule decode step) and TRITON_GDN under Triton's
-interpreter, against the PyTorch twin ``delta_rule_decode`` (``layers/state_ops``).
+interpreter, against the PyTorch twin ``delta_rule_decode`` (``attention/state``).
 
 Kernel: several shapes (Hk < Hv grouping with groups of 2 and 3, dk and dv not powers of two,
 odd batches, several value tiles per head, per-key-channel decay as KDA), three steps in a row,
@@ -30,9 +30,9 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from attnserve.arch import LayerKind  # noqa: E402
-from attnserve.attention.ops.triton_gdn import fused_delta_rule_decode  # noqa: E402
 from attnserve.attention.registry import BackendSelectionError, override_for  # noqa: E402
-from attnserve.layers.state_ops import delta_rule_decode  # noqa: E402
+from attnserve.attention.state import delta_rule_decode  # noqa: E402
+from attnserve.ops.triton_gdn import fused_delta_rule_decode  # noqa: E402
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 # (batch, Hk, Hv, dk, dv, decay per key channel, block_v)
@@ -169,7 +169,7 @@ def test_engine_with_the_fused_decode_matches_torch(model, torch_name, triton_na
 
 # The kernel's GPU launches (bf16 inputs, fp32 and bf16 states), compiled for sm_90 (``sm90.py``).
 _LAUNCHES = r"""
-from attnserve.attention.ops import triton_gdn as G
+from attnserve.ops import triton_gdn as G
 
 record(G, "_delta_rule_decode_kernel")
 bf = torch.bfloat16

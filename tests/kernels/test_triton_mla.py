@@ -28,13 +28,6 @@ except ImportError:
     pytest.skip("triton is not installed (pip install attnserve[gpu])", allow_module_level=True)
 
 from attnserve.attention.backends.torch_mla_sparse import index_scores  # noqa: E402
-from attnserve.attention.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
-from attnserve.attention.ops.triton_mla_sparse import (  # noqa: E402
-    IndexerConfig,
-    indexer_logits,
-    lightning_indexer_topk,
-    sparse_mla,
-)
 from attnserve.attention.reference_mla import (  # noqa: E402
     absorb_q,
     apply_w_uv,
@@ -45,6 +38,13 @@ from attnserve.attention.reference_mla import (  # noqa: E402
     write_latent,
 )
 from attnserve.kvcache.fp8 import hadamard, mla_fp8_row_bytes, quantize_act_fp8  # noqa: E402
+from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
+from attnserve.ops.triton_mla_sparse import (  # noqa: E402
+    IndexerConfig,
+    indexer_logits,
+    lightning_indexer_topk,
+    sparse_mla,
+)
 
 HEADS, NOPE, ROPE, V = 4, 16, 8, 12
 IDX_HEADS, IDX_DIM = 16, 32

@@ -13,9 +13,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from attnserve.attention.ops.triton_moe import align_pairs, fused_experts  # noqa: E402
 from attnserve.layers.fused import override_impl  # noqa: E402
 from attnserve.layers.moe import FusedExperts  # noqa: E402
+from attnserve.ops.triton_moe import align_pairs, fused_experts  # noqa: E402
 from tests.unit.test_moe import _randomise  # noqa: E402
 
 

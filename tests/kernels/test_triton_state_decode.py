@@ -1,6 +1,6 @@
 """ops/triton_state_decode.py (the fused Mamba-1 and lightning decode steps), TRITON_MAMBA and
 TRITON_LIGHTNING under Triton's interpreter, against the PyTorch twins ``selective_scan_decode``
-and ``lightning_attention_decode`` (``layers/state_ops``).
+and ``lightning_attention_decode`` (``attention/state``).
 
 Kernels: several shapes (channel, state and head dims not powers of two, odd batches, several
 channel or value tiles with the last one partial, Mamba without D skip or z gate), three steps in
@@ -27,11 +27,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from attnserve.attention.ops.triton_state_decode import (  # noqa: E402
+from attnserve.attention.state import lightning_attention_decode, selective_scan_decode  # noqa: E402
+from attnserve.ops.triton_state_decode import (  # noqa: E402
     fused_lightning_decode,
     fused_selective_scan_decode,
 )
-from attnserve.layers.state_ops import lightning_attention_decode, selective_scan_decode  # noqa: E402
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 # (batch, channels D, d_state N, with D skip and z gate, block_d)
@@ -160,7 +160,7 @@ def test_bad_shapes_are_refused():
 # The kernels' GPU launches (bf16 inputs, fp32 and bf16 states, several tiles), compiled for
 # sm_90 (``sm90.py``).
 _LAUNCHES = r"""
-from attnserve.attention.ops import triton_state_decode as S
+from attnserve.ops import triton_state_decode as S
 
 record(S, "_selective_scan_decode_kernel", "_lightning_decode_kernel")
 bf = torch.bfloat16

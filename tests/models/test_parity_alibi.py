@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from attnserve import SamplingParams
-from attnserve.arch import ModelArch
+from attnserve.arch import read_arch
 from attnserve.attention.reference import alibi_slopes
 from attnserve.models.mpt import MPTForCausalLM, mpt_alibi_slopes
 from tests.models.parity import (
@@ -191,8 +191,8 @@ def test_mpt_logit_scale():
         "max_seq_len": 16,
     }
     torch.manual_seed(0)
-    plain = MPTForCausalLM(ModelArch.from_hf(cfg))
-    scaled = MPTForCausalLM(ModelArch.from_hf(dict(cfg, logit_scale="inv_sqrt_d_model")))
+    plain = MPTForCausalLM(read_arch(cfg))
+    scaled = MPTForCausalLM(read_arch(dict(cfg, logit_scale="inv_sqrt_d_model")))
     scaled.load_state_dict(plain.state_dict())
     hidden = torch.randn(3, 16)
     torch.testing.assert_close(

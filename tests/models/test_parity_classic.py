@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from attnserve import SamplingParams
+from attnserve.arch import read_arch
 from attnserve.models.falcon import deinterleave_qkv
 from tests.models.parity import (
     VOCAB,
@@ -155,12 +156,12 @@ def test_qkv_layouts(num_heads, num_kv_heads):
 def test_gpt2_hub_checkpoint_names(built):
     """Original GPT-2 checkpoints name tensors without ``transformer.`` and carry causal-mask
     buffers (``h.N.attn.bias``, ``h.N.attn.masked_bias``): they load to the same parameters."""
-    from attnserve.arch import ModelArch, load_hf_config
+    from attnserve.arch import load_hf_config
     from attnserve.models.gpt2 import GPT2LMHeadModel
     from attnserve.models.weights import iter_safetensors
 
     _, path, _, _, _ = built("gpt2")
-    arch = ModelArch.from_hf(load_hf_config(path))
+    arch = read_arch(load_hf_config(path))
     saved = list(iter_safetensors(path))
     hub = [(name.removeprefix("transformer."), t) for name, t in saved]
     for i in range(arch.num_layers):

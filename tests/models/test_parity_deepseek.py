@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams
-from attnserve.arch import ModelArch, load_hf_config
+from attnserve.arch import load_hf_config, read_arch
 from attnserve.attention.backends.torch_mla import TorchMLABackend
 from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.core.forward_context import ForwardContext, forward_context
 from attnserve.kvcache.fp8 import dequantize_mla_fp8, quantize_mla_fp8
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import iter_safetensors
-from attnserve.runner.forward_context import ForwardContext, forward_context
 from tests.models.parity import (
     VOCAB,
     assert_parity,
@@ -159,7 +159,7 @@ def _hf_model(tmp_path_factory, name: str, kwargs: dict | None = None):
 
 def _attnserve_prefill(path, prompt: list[int], block_size: int = 4):
     """attnserve's model over one prompt with a hand-made step: (arch, caches by layer, slots)."""
-    arch = ModelArch.from_hf(load_hf_config(path))
+    arch = read_arch(load_hf_config(path))
     model = get_model_class(arch)(arch)
     model.load_weights(iter_safetensors(path))
     backend = TorchMLABackend(block_size)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams
-from attnserve.arch import ModelArch, load_hf_config
+from attnserve.arch import load_hf_config, read_arch
 from attnserve.models.gemma import GemmaForCausalLM
 from attnserve.models.weights import iter_safetensors
 from tests.models.parity import (
@@ -160,7 +160,7 @@ def test_multimodal_checkpoint_names(tmp_path):
     skipping the vision tower and the projector."""
     model_type, kwargs = FAMILIES["gemma3_text"]
     build_gemma(model_type, kwargs, tmp_path)
-    arch = ModelArch.from_hf(load_hf_config(tmp_path))
+    arch = read_arch(load_hf_config(tmp_path))
     plain = GemmaForCausalLM(arch)
     plain.load_weights(iter_safetensors(tmp_path))
     extra = [
@@ -183,4 +183,4 @@ def test_bidirectional_config_is_refused(tmp_path):
     model_type, kwargs = FAMILIES["gemma3_text"]
     build_gemma(model_type, dict(kwargs, use_bidirectional_attention=True), tmp_path)
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
-        GemmaForCausalLM(ModelArch.from_hf(load_hf_config(tmp_path)))
+        GemmaForCausalLM(read_arch(load_hf_config(tmp_path)))

@@ -32,18 +32,20 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams
-from attnserve.arch import LayerKind, ModelArch, load_hf_config
-from attnserve.attention.backends.torch_gdn import TorchGDNBackend
-from attnserve.attention.backends.torch_kda import TorchKDABackend
-from attnserve.attention.backends.torch_lightning import TorchLightningBackend
-from attnserve.attention.backends.torch_mamba import TorchMambaBackend
+from attnserve.arch import LayerKind, load_hf_config, read_arch
 from attnserve.attention.backends.torch_mla import TorchMLABackend
 from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
 from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.attention.state.torch_backends import (
+    TorchGDNBackend,
+    TorchKDABackend,
+    TorchLightningBackend,
+    TorchMambaBackend,
+)
+from attnserve.core.forward_context import ForwardContext, forward_context
 from attnserve.kvcache.state import StateCache
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import iter_safetensors
-from attnserve.runner.forward_context import ForwardContext, forward_context
 from tests.models.parity import VOCAB, assert_parity, hf_reference, make_prompts, run_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -152,7 +154,7 @@ class SteppedModel:
 
     def __init__(self, path: Path, block_size: int = 4, num_blocks: int = 64, num_slots: int = 8):
         self.path = path
-        self.arch = ModelArch.from_hf(load_hf_config(path))
+        self.arch = read_arch(load_hf_config(path))
         self.model = get_model_class(self.arch)(self.arch).eval()
         self.model.load_weights(iter_safetensors(path))
         self.block_size = block_size

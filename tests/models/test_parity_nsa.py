@@ -29,7 +29,7 @@ import json
 import pytest
 
 from attnserve import LLM, SamplingParams
-from attnserve.arch import ArchError, ModelArch
+from attnserve.arch import ArchError, read_arch
 from attnserve.entrypoints.inspect import build_report
 from attnserve.platforms import get_platform
 from tests.models.fla_nsa_oracle import FlaOracle
@@ -165,20 +165,20 @@ def _config(**changes) -> dict:
 ])
 def test_bad_configs_name_the_problem(changes, message):
     with pytest.raises(ArchError) as e:
-        ModelArch.from_hf(_config(**changes))
+        read_arch(_config(**changes))
     assert message in str(e.value)
 
 
 def test_config_reading_follows_fla_defaults():
-    arch = ModelArch.from_hf({k: v for k, v in _config().items() if k not in ("num_kv_heads", "window_size")})
+    arch = read_arch({k: v for k, v in _config().items() if k not in ("num_kv_heads", "window_size")})
     spec = arch.layers[0]
     assert (spec.kind.value, spec.num_kv_heads, spec.nsa.window) == ("nsa", 4, 512)  # NSAConfig defaults
-    spec = ModelArch.from_hf(_config(num_kv_heads=None, window_size=None)).layers[0]
+    spec = read_arch(_config(num_kv_heads=None, window_size=None)).layers[0]
     assert (spec.num_kv_heads, spec.nsa.window) == (32, None)  # null: one KV head per head, no window
-    assert ModelArch.from_hf(_config(window_size=0)).layers[0].nsa.window is None
-    assert [ModelArch.from_hf(_config(block_counts=n)).layers[0].nsa.num_selected for n in (3, 4, 5, 16)] == \
+    assert read_arch(_config(window_size=0)).layers[0].nsa.window is None
+    assert [read_arch(_config(block_counts=n)).layers[0].nsa.num_selected for n in (3, 4, 5, 16)] == \
         [4, 4, 8, 16]
-    assert ModelArch.from_hf(_config()).mechanism.value == "NSA"
+    assert read_arch(_config()).mechanism.value == "NSA"
 
 
 def test_inspect_reports_nsa_kv_bytes(tmp_path):

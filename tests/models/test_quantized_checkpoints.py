@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnserve import LLM
-from attnserve.arch import ModelArch, load_hf_config
+from attnserve.arch import load_hf_config, read_arch
 from attnserve.models.quantized import QuantScheme, dequantize_fp8_blocks, dequantized_weights
 from attnserve.presets import resolve_config_path
 from tests.models.parity import (
@@ -332,7 +332,7 @@ def test_shipped_quantised_configs_are_supported():
     """DeepSeek-V3 / V3.2 (fp8, [128, 128]) and gpt-oss-20b (mxfp4) as shipped; a multimodal
     wrapper's top-level ``quantization_config`` reaches ``ModelArch`` too."""
     def scheme(name: str) -> QuantScheme | None:
-        return QuantScheme.from_config(ModelArch.from_hf(load_hf_config(resolve_config_path(name))).quantization_config)
+        return QuantScheme.from_config(read_arch(load_hf_config(resolve_config_path(name))).quantization_config)
 
     assert scheme("deepseek-ai/DeepSeek-V3") == QuantScheme("fp8", (128, 128))
     assert scheme("deepseek-ai/DeepSeek-V3.2") == QuantScheme("fp8", (128, 128))
@@ -341,7 +341,7 @@ def test_shipped_quantised_configs_are_supported():
     wrapper = load_hf_config(resolve_config_path("Qwen/Qwen3.5-27B"))
     assert "text_config" in wrapper and "quantization_config" not in wrapper["text_config"]
     wrapper["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    assert QuantScheme.from_config(ModelArch.from_hf(wrapper).quantization_config) == QuantScheme("fp8", (128, 128))
+    assert QuantScheme.from_config(read_arch(wrapper).quantization_config) == QuantScheme("fp8", (128, 128))
 
 
 # ----------------------------------------------------------------- errors

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from attnserve import LLM, SamplingParams
+from attnserve.arch import read_arch
 from tests.models.parity import (
     VOCAB,
     assert_parity,
@@ -109,12 +110,11 @@ def test_preemption(name):
 def test_scaling_is_exercised(case):
     """The scaled rotation differs from plain RoPE at these positions (the test is not vacuous)."""
     name = case[0]
-    from attnserve.arch import ModelArch
 
     model_type, kwargs, _ = CASES[name]
     from transformers import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[model_type](**kwargs).to_dict()
-    arch = ModelArch.from_hf(cfg)
+    arch = read_arch(cfg)
     rope = arch.layers[0].rope
     assert rope.rope_type != "default" or rope.rotary_dim < arch.layers[0].head_size

@@ -210,7 +210,7 @@ def test_inspect_reports_device_bytes_with_host_latents():
 def test_command_line_flags():
     import argparse
 
-    from attnserve.entrypoints.cli import add_engine_args, engine_kwargs
+    from attnserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

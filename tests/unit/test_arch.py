@@ -1,4 +1,4 @@
-"""ModelArch.from_hf on every shipped config and on the quirks DESIGN.md lists.
+"""read_arch on every shipped config and on the quirks DESIGN.md lists.
 
 Expected values are written out by hand from the config files, not computed by the code
 under test.
@@ -10,14 +10,14 @@ import json
 
 import pytest
 
-from attnserve.arch import ArchError, LayerKind, Mechanism, ModelArch
+from attnserve.arch import ArchError, LayerKind, Mechanism, ModelArch, read_arch
 from attnserve.presets import HF_CONFIG_DIR, preset_names, resolve_config_path
 
 
 def arch(name: str, **overrides) -> ModelArch:
     cfg = json.loads(resolve_config_path(name).read_text())
     cfg.update(overrides)
-    return ModelArch.from_hf(cfg)
+    return read_arch(cfg)
 
 
 def kinds(a: ModelArch) -> dict[str, int]:
@@ -135,7 +135,7 @@ def test_deepseek_v3_mla_dims_rope_and_scale():
 
 def test_mla_disable_expands():
     cfg = json.loads(resolve_config_path("deepseek-ai/DeepSeek-V3").read_text())
-    a = ModelArch.from_hf(cfg, use_mla=False)
+    a = read_arch(cfg, use_mla=False)
     assert a.mechanism is Mechanism.MHA
     assert a.layers[0].kind is LayerKind.FULL and a.layers[0].num_kv_heads == 128
 
@@ -154,7 +154,7 @@ def test_hybrid_layouts():
     kimi = arch("moonshotai/Kimi-Linear-48B-A3B-Instruct")  # 1-based layer lists in the checkpoint
     assert [i for i, s in enumerate(kimi.layers) if s.kind is LayerKind.MLA] == [3, 7, 11, 15, 19, 23, 26]
     assert kimi.layers[3].rope is None  # mla_use_nope
-    minimax = ModelArch.from_hf({"model_type": "minimax", "hidden_size": 64, "num_hidden_layers": 4,
+    minimax = read_arch({"model_type": "minimax", "hidden_size": 64, "num_hidden_layers": 4,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
                                  "intermediate_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "attn_type_list": [0, 0, 0, 1]})
@@ -172,7 +172,7 @@ def test_rope_spellings_agree():
     cfg = json.loads(resolve_config_path("meta-llama/Llama-3.1-8B-Instruct").read_text())
     scaling = cfg.pop("rope_scaling")
     cfg["rope_parameters"] = dict(scaling, rope_theta=cfg.pop("rope_theta"))
-    new = ModelArch.from_hf(cfg)
+    new = read_arch(cfg)
     assert old.layers[0].rope == new.layers[0].rope
     r = new.layers[0].rope
     assert (r.rope_type, r.theta, r.factor, r.low_freq_factor, r.high_freq_factor,
@@ -186,25 +186,25 @@ def _tiny(model_type: str, **kw) -> dict:
 
 
 def test_falcon_bloom_bigcode_kv_heads_and_alibi():
-    mq = ModelArch.from_hf(_tiny("falcon", hidden_size=64, num_attention_heads=8, multi_query=True))
+    mq = read_arch(_tiny("falcon", hidden_size=64, num_attention_heads=8, multi_query=True))
     assert mq.mechanism is Mechanism.MQA and mq.layers[0].rope is not None
-    gqa = ModelArch.from_hf(_tiny("falcon", hidden_size=64, num_attention_heads=8, new_decoder_architecture=True,
+    gqa = read_arch(_tiny("falcon", hidden_size=64, num_attention_heads=8, new_decoder_architecture=True,
                                   num_kv_heads=2))
     assert gqa.mechanism is Mechanism.GQA and gqa.num_kv_heads == 2
-    mha = ModelArch.from_hf(_tiny("falcon", hidden_size=64, num_attention_heads=8, multi_query=False, alibi=True))
+    mha = read_arch(_tiny("falcon", hidden_size=64, num_attention_heads=8, multi_query=False, alibi=True))
     assert mha.mechanism is Mechanism.MHA and mha.layers[0].alibi and mha.layers[0].rope is None
-    bloom = ModelArch.from_hf(_tiny("bloom", hidden_size=64, n_head=8, n_layer=2))
+    bloom = read_arch(_tiny("bloom", hidden_size=64, n_head=8, n_layer=2))
     assert bloom.mechanism is Mechanism.MHA and bloom.layers[0].alibi and bloom.tie_word_embeddings
-    big = ModelArch.from_hf(_tiny("gpt_bigcode", n_embd=64, n_head=8, n_layer=2))
+    big = read_arch(_tiny("gpt_bigcode", n_embd=64, n_head=8, n_layer=2))
     assert big.mechanism is Mechanism.MQA
-    big_mha = ModelArch.from_hf(_tiny("gpt_bigcode", n_embd=64, n_head=8, n_layer=2, multi_query=False))
+    big_mha = read_arch(_tiny("gpt_bigcode", n_embd=64, n_head=8, n_layer=2, multi_query=False))
     assert big_mha.mechanism is Mechanism.MHA
     mpt = arch("mosaicml/mpt-7b-instruct")
     assert mpt.layers[0].alibi and mpt.layers[0].rope is None
 
 
 def test_glm4_moe_partial_rotary_and_shared_expert():
-    a = ModelArch.from_hf(_tiny("glm4_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    a = read_arch(_tiny("glm4_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 n_shared_experts=1, first_k_dense_replace=1))
     assert a.layers[0].rope.rotary_dim == 16  # partial_rotary_factor 0.5 by default
@@ -228,4 +228,4 @@ def test_glm4_moe_partial_rotary_and_shared_expert():
 ])
 def test_bad_configs_name_the_field(cfg, match):
     with pytest.raises(ArchError, match=match):
-        ModelArch.from_hf(cfg)
+        read_arch(cfg)

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from attnserve.config import CacheConfig
-from attnserve.engine.request import Request
+from attnserve.core.request import Request
 from attnserve.kvcache.block_pool import BlockPool
 from attnserve.kvcache.groups import CacheEntry, KVCacheGroup
-from attnserve.kvcache.kv_cache_manager import KVCacheManager
+from attnserve.kvcache.manager import KVCacheManager
 from attnserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
 from attnserve.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from attnserve.arch import ModelArch
+from attnserve.arch import ModelArch, read_arch
 from attnserve.config import CacheConfig
 from attnserve.kvcache.groups import cache_entries, group_entries, sequence_bytes
 from attnserve.kvcache.spec import (
@@ -23,7 +23,7 @@ from attnserve.presets import resolve_config_path
 def arch(name: str, **overrides) -> ModelArch:
     cfg = json.loads(resolve_config_path(name).read_text())
     cfg.update(overrides)
-    return ModelArch.from_hf(cfg)
+    return read_arch(cfg)
 
 
 def per_token(a: ModelArch, kv_cache_dtype: str = "auto", **kw) -> int:
@@ -68,7 +68,7 @@ def test_glm5_shared_layers_keep_no_indexer_cache():
 
 def test_mla_disabled_costs_expanded_kv():
     cfg = json.loads(resolve_config_path("deepseek-ai/DeepSeek-V3").read_text())
-    a = ModelArch.from_hf(cfg, use_mla=False)
+    a = read_arch(cfg, use_mla=False)
     assert cache_entries(a, CacheConfig())[0].spec.bytes_per_token == 81_920  # 128 * (192 + 128) * 2
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnserve.arch import ModelArch, MoESpec
+from attnserve.arch import MoESpec, read_arch
 from attnserve.layers.moe import DeepseekMoE, FusedExperts, GatedMLP, SparseMoE, select_experts
 from attnserve.models.quantized import QuantScheme, dequantize_mxfp4, dequantized_weights
 from attnserve.models.weights import load_named_weights
@@ -398,7 +398,7 @@ def test_deepseek_moe_matches_hf(version):
         cfg = _hf_config("deepseek_v3", **kw)
         hf = DeepseekV3MoE(cfg)
     _randomise(hf, 15)
-    arch = ModelArch.from_hf(cfg.to_dict())
+    arch = read_arch(cfg.to_dict())
     moe = DeepseekMoE(arch)
     assert (moe.gate.e_score_correction_bias is not None) == (version == "v3")
     load_named_weights(moe, _checkpoint_items(hf, 8, 16), DeepseekMoE.rename)
@@ -474,7 +474,7 @@ def test_gpt_oss_loads_mxfp4_experts():
             expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         else:
             quantised[name] = dense[name]
-    arch = ModelArch.from_hf(cfg.to_dict())
+    arch = read_arch(cfg.to_dict())
     ours, twin = GptOssForCausalLM(arch), GptOssForCausalLM(arch)
     ours.load_weights(dequantized_weights(sorted(quantised.items()), QuantScheme("mxfp4"), torch.float32))
     twin.load_weights({**{k: v for k, v in dense.items() if k not in expected}, **expected}.items())
@@ -497,7 +497,7 @@ def test_moe_family_rename_skips_mtp_layers():
         n_routed_experts=4,
         moe_intermediate_size=16,
     )
-    model = MoEForCausalLM(ModelArch.from_hf(cfg.to_dict()))
+    model = MoEForCausalLM(read_arch(cfg.to_dict()))
     assert rename_decoder_weight(model, "model.layers.2.mlp.gate.weight") is None  # the MTP layer
     assert rename_decoder_weight(model, "model.layers.0.mlp.up_proj.weight") == (
         "layers.0.mlp.gate_up_proj.weight",

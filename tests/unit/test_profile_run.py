@@ -1,4 +1,4 @@
-"""The profiling pass (runner/profile_run.py): on CUDA it runs before the KV cache is sized.
+"""The profiling pass (engine/profile_run.py): on CUDA it runs before the KV cache is sized.
 
 Here it is forced on CPU: for one family of each cache type (dense GQA, sliding windows, MoE,
 MLA, DSA, a hybrid with state layers) an engine built after the pass must produce what an
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from attnserve import LLM, SamplingParams
-from attnserve.runner import builder, profile_run
+from attnserve.engine import builder, profile_run
 from tests.models.parity import build_hf_model, make_prompts
 from tests.models.test_parity_dsa import FAMILIES as DSA
 from tests.models.test_parity_hybrid import HYBRID

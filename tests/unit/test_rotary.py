@@ -36,7 +36,7 @@ _FIELDS = {f.name for f in dataclasses.fields(RopeConfig)}
 def rope_config(
     params: dict, rotary_dim: int, max_pos: int, interleaved: bool = False, orig: int | None = None
 ) -> RopeConfig:
-    """Our RopeConfig for the same HF rope_parameters dict (written here, not by arch_families)."""
+    """Our RopeConfig for the same HF rope_parameters dict (written here, not by arch/families.py)."""
     renamed = {("theta" if k == "rope_theta" else k): v for k, v in params.items()}
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in renamed.items() if k in _FIELDS}
     if orig is not None:

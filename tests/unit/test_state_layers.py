@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.attention.backends.torch_gdn import build_state_metadata
 from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.attention.state.base import build_state_metadata
+from attnserve.core.forward_context import ForwardContext, forward_context
 from attnserve.layers.gdn import ungroup_rows
 from attnserve.models.minimax import deepnorm_factors
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import iter_safetensors
-from attnserve.runner.forward_context import ForwardContext, forward_context
 from tests.models.test_parity_hybrid import HYBRID, SteppedModel, build_hybrid
 
 # name -> (layer index, attribute of the mixer in both models)

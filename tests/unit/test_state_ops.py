@@ -32,7 +32,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from attnserve.layers.state_ops import (
+from attnserve.attention.state import (
     causal_conv1d_prefill,
     gated_delta_decode,
     gated_delta_prefill,
@@ -44,7 +44,7 @@ from attnserve.layers.state_ops import (
     selective_scan_decode,
     selective_scan_prefill,
 )
-from attnserve.layers.state_ops import causal_conv1d_update as conv_update
+from attnserve.attention.state import causal_conv1d_update as conv_update
 
 Tokens = dict[str, torch.Tensor]  # per-token inputs, token dim first
 

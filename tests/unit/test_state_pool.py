@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from attnserve.config import SchedulerConfig
-from attnserve.engine.request import Request
+from attnserve.core.request import Request
 from attnserve.engine.scheduler import Scheduler
-from attnserve.kvcache.kv_cache_manager import KVCacheManager
+from attnserve.kvcache.manager import KVCacheManager
 from attnserve.kvcache.state import StatePool
 from attnserve.sampling_params import SamplingParams
 from tests.unit.test_block_pool import BS, full_group

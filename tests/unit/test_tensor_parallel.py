@@ -154,7 +154,8 @@ def _assert_same(ref, outs) -> None:
 def _check_sharded(name: str):
     def check(llm) -> None:
         runner = llm.llm_engine.runner
-        assert len(runner.workers.processes) == 1 and runner.workers.processes[0].is_alive()
+        workers = llm.llm_engine.workers
+        assert len(workers.processes) == 1 and workers.processes[0].is_alive()
         model = runner.model
         assert isinstance(model.embed_tokens, VocabParallelEmbedding)
         vocab = FAMILIES[name][1]["vocab_size"]
@@ -204,7 +205,7 @@ def test_workers_exit_on_close_and_on_collection(model_dirs):
         tensor_parallel_size=2,
         num_gpu_blocks_override=32,
     )
-    (proc,) = llm.llm_engine.runner.workers.processes
+    (proc,) = llm.llm_engine.workers.processes
     llm.close()
     assert not proc.is_alive() and proc.exitcode == 0
     llm = LLM(
@@ -213,7 +214,7 @@ def test_workers_exit_on_close_and_on_collection(model_dirs):
         tensor_parallel_size=2,
         num_gpu_blocks_override=32,
     )
-    (proc,) = llm.llm_engine.runner.workers.processes
+    (proc,) = llm.llm_engine.workers.processes
     del llm
     gc.collect()
     proc.join(30)
@@ -237,7 +238,7 @@ def test_a_failure_on_rank_0_alone_stops_the_workers(model_dirs, monkeypatch):
     """The worker (a fresh process) builds fine and waits in a collective rank 0 never joins."""
     import multiprocessing
 
-    from attnserve.runner import builder
+    from attnserve.engine import builder
 
     def fail(*args, **kwargs):
         raise RuntimeError("only on rank 0")
@@ -306,7 +307,7 @@ def test_torchrun_two_hosts_on_loopback(tmp_path, capsys):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
     torchrun += f"--nproc-per-node 2 --master-addr 127.0.0.1 --master-port {port}".split()
-    worker = ["-m", "attnserve.runner.worker", *args, "--tensor-parallel-size", "4"]
+    worker = ["-m", "attnserve.entrypoints.torchrun", *args, "--tensor-parallel-size", "4"]
     hosts = [
         subprocess.Popen(
             [*torchrun, "--node-rank", str(node), *worker],

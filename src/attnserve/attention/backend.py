@@ -1,8 +1,22 @@
-"""The attention backend contract: ``Capabilities`` + ``build_metadata`` + ``forward``.
+"""The backend contract: ``Capabilities`` + ``build_metadata`` + ``forward`` + CUDA-graph hooks.
 
 A backend declares what it can run (``Capabilities``, kept in the registry table so that
 selection never imports optional libraries), builds its metadata once per batch and KV cache
 group, and runs ``forward`` per layer. It knows nothing of requests or model families.
+
+``Backend`` is what every backend shares: the metadata builder and the hooks a CUDA graph needs.
+Its two kinds differ only in what ``forward`` takes: ``AttentionBackend`` (queries, keys and
+values over a paged cache) here, and ``StateBackend`` (a state mechanism's inputs over a slot
+pool, ``attention/state/base.py``).
+
+CUDA graphs (``runner/cuda_graph.py``): the graph runner owns persistent copies of the step's
+common device inputs (token ids, positions, ``CommonAttentionMetadata``'s tensors) and, per
+batch-size bucket, asks each backend once for the metadata of a captured decode batch
+(``build_graph_metadata``, built over views of those buffers with the capture's host bounds).
+Before every replay it copies the step into its buffers, then lets each backend refresh the
+persistent buffers it owns (``refresh_graph_metadata``). A backend takes part only when
+``cuda_graph_safe`` says its decode forward launches the same work for any values in those
+tensors: no host synchronisation, no host branching on device data.
 """
 
 from __future__ import annotations
@@ -10,7 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from attnserve.arch import LayerKind
 
@@ -19,7 +33,7 @@ if TYPE_CHECKING:
 
     from attnserve.attention.metadata import CommonAttentionMetadata
 
-__all__ = ["AttentionBackend", "BackendRequest", "Capabilities", "FEATURES"]
+__all__ = ["AttentionBackend", "Backend", "BackendRequest", "Capabilities", "FEATURES"]
 
 FEATURES = ("sliding_window", "alibi", "sinks", "softcap", "streaming")
 
@@ -50,17 +64,49 @@ class BackendRequest:
     features: frozenset[str] = frozenset()
 
 
-class AttentionBackend(ABC):
-    """One implementation of attention over a paged cache.
+class Backend(ABC):
+    """What every backend of a KV cache group provides: metadata per step, and graph hooks.
 
     Subclasses set ``name``; their capabilities are the registry entry of that name.
     """
 
-    name: str = ""
+    name: ClassVar[str] = ""
+    # the decode forward can be captured in a CUDA graph (see the module docstring)
+    cuda_graph_safe: ClassVar[bool] = False
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> Any:
         """Turn the step's common metadata into this backend's own, once per batch and group."""
+
+    # --- CUDA graphs ---------------------------------------------------------------------
+    def build_graph_metadata(self, common: CommonAttentionMetadata, group_id: int) -> Any:
+        """The metadata of a captured decode batch, built once per batch-size bucket.
+
+        Args:
+            common: views of the graph runner's persistent buffers for ``num_reqs`` decode
+                requests (one token each); its host fields are the capture's bounds
+                (``max_seq_len`` and every ``seq_lens_cpu`` entry are ``max_model_len``).
+            group_id: the KV cache group.
+        Returns:
+            Metadata whose device tensors are views of ``common``'s or persistent buffers this
+            backend allocates here and refreshes in ``refresh_graph_metadata``; its host values
+            hold for every replay. The default is ``build_metadata`` over the views, right for a
+            backend whose metadata only slices ``common`` and keeps host values as bounds.
+        """
+        return self.build_metadata(common, group_id)
+
+    def refresh_graph_metadata(self, metadata: Any, common: CommonAttentionMetadata) -> None:
+        """Before a replay: bring the persistent buffers this backend owns in ``metadata``
+        (from ``build_graph_metadata``) up to date with the step's ``common`` (eager, unpadded;
+        the runner has already copied it into its own buffers). Default: none to refresh."""
+        return None
+
+
+class AttentionBackend(Backend):
+    """One implementation of attention over a paged cache (standard, MLA, sparse MLA, NSA)."""
 
     @abstractmethod
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

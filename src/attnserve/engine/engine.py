@@ -20,12 +20,13 @@ import logging
 from typing import Any
 
 from attnserve.config import EngineConfig
-from attnserve.engine.output import CompletionState, RequestState, make_detokenizer
-from attnserve.engine.request import Request, RequestStatus
-from attnserve.engine.scheduler import Scheduler, SchedulerOutput
+from attnserve.core.request import Request, RequestStatus
+from attnserve.core.step import RunnerOutput, SchedulerOutput
+from attnserve.engine.builder import EngineParts, build_engine_parts
+from attnserve.engine.output_processor import CompletionState, RequestState, make_detokenizer
+from attnserve.engine.scheduler import Scheduler
 from attnserve.outputs import RequestOutput
-from attnserve.runner.builder import EngineParts, build_engine_parts
-from attnserve.runner.model_runner import RunnerOutput, StepHandle
+from attnserve.runner.model_runner import StepHandle
 from attnserve.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "PromptError"]
@@ -55,6 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.parts.kv_manager, self.max_model_len, recompute,
                                    offload=self.parts.runner.offload)
         self.runner = self.parts.runner
+        self.workers = self.parts.workers  # tensor parallel (rank 0): the ranks it started
         self.states: dict[str, RequestState] = {}
         self._child_to_state: dict[str, tuple[RequestState, CompletionState]] = {}
         self._ids = itertools.count()
@@ -69,7 +71,7 @@ class LLMEngine:
         blockers = [why for why, bad in (
             ("state layers", bool(parts.runner.state_caches)),
             ("KV offloading", parts.runner.offload is not None),
-            ("tensor parallelism", parts.runner.workers is not None),
+            ("tensor parallelism", parts.workers is not None),
             ("a length-dependent RoPE or StreamingLLM", self._uncacheable),
             ("host-resident sparse latents", self.config.offload.kv_offload_sparse_latents)) if bad]
         if wanted and blockers:
@@ -155,7 +157,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (garbage collection also stops them)."""
-        self.runner.shutdown()
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # --- the step ---------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -20,40 +20,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from attnserve.engine.request import Request, RequestStatus
-from attnserve.kvcache.kv_cache_manager import KVCacheManager
-from attnserve.kvcache.offload.manager import LoadJob, OffloadManager, StoreJob, TierHit
+from attnserve.core.request import Request, RequestStatus
+from attnserve.core.step import ScheduledRequest, SchedulerOutput
+from attnserve.kvcache.manager import KVCacheManager
+from attnserve.kvcache.offload.manager import OffloadManager, TierHit
 
 if TYPE_CHECKING:
     from attnserve.config import SchedulerConfig
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    block_ids: list[list[int]]  # per KV cache group: the KV manager's own lists, valid for this step
-    state_slot: int = 0  # hybrid models: the request's state slot (0: none)
-    start: int = 0  # position of the first token scheduled this step
-    samples: bool = False  # the step reaches the end of the known tokens, so a token is sampled
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    scheduled: tuple[ScheduledRequest, ...]
-    preempted: tuple[str, ...] = ()
-    state_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) state slots, before the forward
-    offload: tuple[StoreJob, list[LoadJob]] | None = None  # copies to and from the offload tier
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["Scheduler", "SchedulerStats"]
 
 
 @dataclass(slots=True)

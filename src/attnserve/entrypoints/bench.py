@@ -60,7 +60,7 @@ def _finish(result: dict[str, Any], args: argparse.Namespace, lines: list[str]) 
 
 
 def _llm(args: argparse.Namespace):
-    from attnserve.entrypoints.cli import engine_kwargs
+    from attnserve.entrypoints.engine_args import engine_kwargs
     from attnserve.entrypoints.llm import LLM
 
     return LLM(model=args.model, **engine_kwargs(args))
@@ -284,7 +284,7 @@ def _lengths_args(p: argparse.ArgumentParser, prompts: int) -> None:
 
 def add_bench_subparsers(bench: argparse.ArgumentParser) -> None:
     """The ``latency``, ``throughput`` and ``serve`` subcommands of ``attnserve bench``."""
-    from attnserve.entrypoints.cli import add_engine_args
+    from attnserve.entrypoints.engine_args import add_engine_args
 
     sub = bench.add_subparsers(dest="bench_command", required=True)
     lat = sub.add_parser("latency", help="latency of one batch, repeated")

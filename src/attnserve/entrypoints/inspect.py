@@ -11,7 +11,15 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from attnserve.arch import LayerKind, LayerSpec, MLADims, ModelArch, load_hf_config
+from attnserve.arch import (
+    LayerKind,
+    LayerSpec,
+    MLADims,
+    ModelArch,
+    load_hf_config,
+    read_arch,
+    shard_arch,
+)
 from attnserve.attention.backend import BackendRequest
 from attnserve.attention.registry import (
     BackendSelectionError,
@@ -249,11 +257,9 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
     and ValueError when the heads do not split over ``tensor_parallel_size`` ranks (whose
     per-rank KV bytes, state and sequences the report then gives)."""
     path = resolve_config_path(model)
-    arch = ModelArch.from_hf(load_hf_config(path), use_mla=use_mla)
+    arch = read_arch(load_hf_config(path), use_mla=use_mla)
     rank_arch = arch
     if tensor_parallel_size > 1:
-        from attnserve.runner.parallel import shard_arch  # the engine's split (imports torch)
-
         rank_arch = shard_arch(arch, tensor_parallel_size)
     model_dtype = arch.dtype if dtype == "auto" else dtype
     cache = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)

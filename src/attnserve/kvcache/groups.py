@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from attnserve.arch import LayerKind, LayerSpec, ModelArch
 from attnserve.config import CacheConfig
 from attnserve.kvcache.spec import (
+    CachePolicy,
     FullAttentionSpec,
     IndexerCacheSpec,
     KVCacheSpec,
@@ -38,7 +39,7 @@ class CacheEntry:
 @dataclass(frozen=True, slots=True)
 class KVCacheGroup:
     group_id: int
-    policy: str  # full | sliding | state
+    policy: CachePolicy
     window: int | None
     entries: tuple[CacheEntry, ...]
 
@@ -61,10 +62,10 @@ class KVCacheGroup:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` holds at most in this group."""
-        if self.policy == "state":
+        if self.policy is CachePolicy.STATE:
             return 1
         blocks = math.ceil(num_tokens / self.block_size)
-        if self.policy in ("sliding", "streaming"):
+        if self.policy in (CachePolicy.SLIDING, CachePolicy.STREAMING):
             spec = self.entries[0].spec
             assert isinstance(spec, (SlidingWindowSpec, StreamingSpec))
             blocks = min(blocks, spec.max_blocks_per_sequence())
@@ -128,8 +129,8 @@ def sparse_latent_entries(arch: ModelArch, entries: list[CacheEntry]) -> list[Ca
 
 def group_entries(entries: list[CacheEntry]) -> list[KVCacheGroup]:
     """Entries with the same block-table policy (and window) share one group, in layer order."""
-    order: list[tuple[str, int | None]] = []
-    members: dict[tuple[str, int | None], list[CacheEntry]] = {}
+    order: list[tuple[CachePolicy, int | None]] = []
+    members: dict[tuple[CachePolicy, int | None], list[CacheEntry]] = {}
     for e in entries:
         window = e.spec.sliding_window if isinstance(e.spec, SlidingWindowSpec) else None
         key = (e.spec.policy, window)
@@ -182,7 +183,7 @@ def _page_shape(e: CacheEntry) -> tuple | None:
 
 def plan_layout(entries: list[CacheEntry]) -> KVCacheLayout:
     """Group the per-token entries and lay them out (state entries are not paged here)."""
-    token = [e for e in entries if e.spec.policy != "state"]
+    token = [e for e in entries if e.spec.policy is not CachePolicy.STATE]
     groups = group_entries(token)
     shapes = {_page_shape(e) for e in token}
     if len(groups) <= 1 or len(shapes) != 1 or None in shapes:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 __all__ = [
     "CACHE_DTYPE_BYTES",
+    "CachePolicy",
     "FP8_MLA_TILE",
     "FullAttentionSpec",
     "IndexerCacheSpec",
@@ -41,6 +43,16 @@ def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     if resolved not in CACHE_DTYPE_BYTES:
         raise ValueError(f"model dtype '{model_dtype}' cannot be a cache dtype")
     return resolved
+
+
+class CachePolicy(str, Enum):
+    """How a group's block table evolves as its requests advance (one manager each,
+    ``kvcache/policies.py``); state layers keep a slot per sequence instead of blocks."""
+
+    FULL = "full"  # every block, for the whole sequence
+    SLIDING = "sliding"  # blocks that fall out of the window are dropped
+    STREAMING = "streaming"  # StreamingLLM: the sink blocks and the window
+    STATE = "state"  # a fixed-size state per sequence, no block table
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +87,9 @@ class KVCacheSpec:
         return self.block_size * self.bytes_per_token
 
     @property
-    def policy(self) -> str:
-        """Which block-table policy serves this spec: full, sliding or state."""
-        return "full"
+    def policy(self) -> CachePolicy:
+        """Which block-table policy serves this spec."""
+        return CachePolicy.FULL
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +116,8 @@ class SlidingWindowSpec(KVCacheSpec):
         return self.num_kv_heads * (self.head_size + self.head_size_v) * self.dtype_bytes
 
     @property
-    def policy(self) -> str:
-        return "sliding"
+    def policy(self) -> CachePolicy:
+        return CachePolicy.SLIDING
 
     def max_blocks_per_sequence(self) -> int:
         """Blocks a sequence needs at most: the window, plus one block it may straddle."""
@@ -127,8 +139,8 @@ class StreamingSpec(KVCacheSpec):
         return self.num_kv_heads * (self.head_size + self.head_size_v) * self.dtype_bytes
 
     @property
-    def policy(self) -> str:
-        return "streaming"
+    def policy(self) -> CachePolicy:
+        return CachePolicy.STREAMING
 
     def max_blocks_per_sequence(self) -> int:
         """Sink blocks, plus the window and the block it may straddle."""
@@ -193,5 +205,5 @@ class StateSpec(KVCacheSpec):
         return self.bytes_per_sequence
 
     @property
-    def policy(self) -> str:
-        return "state"
+    def policy(self) -> CachePolicy:
+        return CachePolicy.STATE

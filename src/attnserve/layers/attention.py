@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from attnserve.arch import LayerSpec
-from attnserve.runner.forward_context import get_forward_context
+from attnserve.core.forward_context import get_forward_context
 
 __all__ = ["Attention"]
 

@@ -1,6 +1,6 @@
 """Fused elementwise ops (RMSNorm + residual, RoPE, act-and-mul): dispatch and PyTorch twins.
 
-Each op runs the Triton kernel of ``attention/ops/triton_fused.py`` on CUDA tensors when Triton
+Each op runs the Triton kernel of ``ops/triton_fused.py`` on CUDA tensors when Triton
 is importable, and otherwise its PyTorch twin below, which is the arithmetic ``layers/norm.py``,
 ``layers/rotary.py`` and ``layers/activation.py`` always had (so CPU results are unchanged).
 ``override_impl`` forces one side, for tests (on CPU tensors the kernels then need
@@ -50,7 +50,7 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 def _kernels() -> ModuleType | None:
     """The Triton module, imported on first use; None where Triton is missing."""
     try:
-        from attnserve.attention.ops import triton_fused
+        from attnserve.ops import triton_fused
     except ImportError:
         return None
     return triton_fused

@@ -14,7 +14,7 @@ checkpoints group them by key head (``in_proj_qkvz``: Hk groups of [q | k | v | 
 Hk groups of [b | a]), which the shard ``"grouped"`` un-groups once, at load time.
 
 Also here: ``GatedRMSNorm``, shared with KDA (``layers/kda.py``). Not here: the conv and
-recurrence arithmetic (``layers/state_ops``), the decode/prefill split (the backend).
+recurrence arithmetic (``attention/state``), the decode/prefill split (the backend).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.arch import LayerSpec, ModelArch
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.linear import MergedLinear
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm"]
 
@@ -124,6 +124,6 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
         meta = get_forward_context().attn_metadata[self.group_id]
-        core = self.backend.forward(self, mixed_qkv, g, beta, self.state_cache, meta)  # [T, Hv, dv]
+        core = self.backend.forward(self, (mixed_qkv, g, beta), self.state_cache, meta)  # [T, Hv, dv]
         out = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(t, self.value_dim))

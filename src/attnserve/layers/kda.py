@@ -8,7 +8,7 @@ and the delta rule with q/k l2-normalised; then ``o_proj(w * RMSNorm(o) * sigmoi
 g_a_proj(h))))`` per head. The runner binds ``state_cache`` (conv q/k/v, each
 ``[slots, H*d, K-1]``; recurrent ``[slots, H, d, d]``), ``backend`` and ``group_id``.
 
-Not here: the arithmetic (``layers/state_ops/kda.py``), Kimi-Linear's MLA layers
+Not here: the arithmetic (``attention/state/kda.py``), Kimi-Linear's MLA layers
 (``layers/mla.py``).
 """
 
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.arch import LayerSpec, ModelArch
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.gdn import GatedRMSNorm
 from attnserve.layers.linear import MergedLinear
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -87,6 +87,6 @@ class KimiDeltaAttention(nn.Module):
         g = self.forget_gate(hidden)
         beta = torch.sigmoid(self.b_proj(hidden))  # [T, H]
         meta = get_forward_context().attn_metadata[self.group_id]
-        o = self.backend.forward(self, q, k, v, g, beta, self.state_cache, meta)  # [T, H, d]
+        o = self.backend.forward(self, (q, k, v, g, beta), self.state_cache, meta)  # [T, H, d]
         gate = self.g_b_proj(self.g_a_proj(hidden)).view(t, self.num_heads, self.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(t, -1))

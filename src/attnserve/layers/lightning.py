@@ -8,7 +8,7 @@ layer (``decay_rates``, float32); then ``out_proj(sigmoid(output_gate(h)) * RMSN
 norm taken over all heads at once. The runner binds ``state_cache`` (recurrent
 ``[slots, H, d, d]``, no conv), ``backend`` and ``group_id``.
 
-Not here: the block/recurrent arithmetic (``layers/state_ops/lightning.py``), the DeepNorm
+Not here: the block/recurrent arithmetic (``attention/state/lightning.py``), the DeepNorm
 residuals around the layer (``models/minimax.py``).
 """
 
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from attnserve.arch import LayerSpec, ModelArch
+from attnserve.attention.state import lightning_decay_rates
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.activation import get_act_fn
 from attnserve.layers.norm import RMSNorm
-from attnserve.layers.state_ops import lightning_decay_rates
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["LightningAttention"]
 
@@ -56,6 +56,6 @@ class LightningAttention(nn.Module):
         qkv = self.act(self.qkv_proj(hidden)).view(t, self.num_heads, 3 * self.head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)  # [T, H, d] each
         meta = get_forward_context().attn_metadata[self.group_id]
-        o = self.backend.forward(self, q, k, v, self.state_cache, meta)  # [T, H, d]
+        o = self.backend.forward(self, (q, k, v), self.state_cache, meta)  # [T, H, d]
         o = self.norm(o.reshape(t, self.num_heads * self.head_dim))
         return self.out_proj(torch.sigmoid(self.output_gate(hidden)) * o)

@@ -9,7 +9,7 @@ recurrent ``[slots, Di, N]``), ``backend`` and ``group_id``.
 
 Parameter names follow the HF checkpoints (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
 ``A_log``, ``D``, ``out_proj``, ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``). Not here: the
-scan arithmetic (``layers/state_ops/mamba.py``), Mamba-2 (multi-head, grouped B/C).
+scan arithmetic (``attention/state/mamba.py``), Mamba-2 (multi-head, grouped B/C).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.arch import LayerSpec, ModelArch
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.norm import RMSNorm
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["MambaMixer"]
 
@@ -84,5 +84,5 @@ class MambaMixer(nn.Module):
         """hidden [T, D] (after the input norm) -> [T, D]."""
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # [T, Di] each
         meta = get_forward_context().attn_metadata[self.group_id]
-        y = self.backend.forward(self, x, z, self.state_cache, meta)  # [T, Di]
+        y = self.backend.forward(self, (x, z), self.state_cache, meta)  # [T, Di]
         return self.out_proj(y)

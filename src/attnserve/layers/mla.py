@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from attnserve.arch import LayerKind, LayerSpec, ModelArch
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.attention import Attention
 from attnserve.layers.indexer import Indexer
 from attnserve.layers.linear import MergedLinear
 from attnserve.layers.norm import RMSNorm
 from attnserve.layers.rotary import get_rope
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["MLAAttention"]
 

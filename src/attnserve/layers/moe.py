@@ -10,7 +10,7 @@ What this file is:
   ([gate | up] per expert) and ``w2`` [E, H, I], run as one grouped computation: token-expert
   pairs are sorted by expert and each expert's rows go through one matrix product. SwiGLU (or
   another gated activation) and GPT-OSS's clamped SwiGLU. On CUDA, SwiGLU and the clamped form
-  run two grouped Triton kernels with no host sync (``attention/ops/triton_moe.py``), so MoE
+  run two grouped Triton kernels with no host sync (``ops/triton_moe.py``), so MoE
   decode steps can be CUDA-graphed.
 - ``GatedMLP`` (dense layers, shared experts), ``SparseMoE`` (router + experts: Mixtral,
   Qwen3-MoE, GPT-OSS) and ``DeepseekMoE`` (fp32 router with an optional correction bias,
@@ -130,7 +130,7 @@ def _limit_to_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
 def _moe_kernels():
     """``ops/triton_moe``, imported on first use; None where Triton is missing."""
     try:
-        from attnserve.attention.ops import triton_moe
+        from attnserve.ops import triton_moe
     except ImportError:
         return None
     return triton_moe

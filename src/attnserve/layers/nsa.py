@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from attnserve.arch import LayerSpec
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.linear import QKVLinear
 from attnserve.layers.rotary import get_rope
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["NSAAttention"]
 

@@ -7,7 +7,7 @@ demand) and dynamic NTK, longrope (length-dependent: the frequencies depend on t
 token's sequence). Frequencies and cos/sin are computed in float32, in the same arithmetic as
 transformers' ``modeling_rope_utils``; the rotation runs in the input dtype.
 
-What it is not: it does not read HF configs (``arch_families.py`` builds the ``RopeConfig``), it
+What it is not: it does not read HF configs (``arch/families.py`` builds the ``RopeConfig``), it
 holds no kernel (the static types rotate through ``layers/fused.py``: a fused Triton kernel on
 CUDA, the same PyTorch arithmetic elsewhere; the length-dependent types always in PyTorch), it
 does not fold YaRN's mscale into the softmax scale (that is the attention layer's

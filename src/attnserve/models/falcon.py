@@ -23,13 +23,13 @@ from torch import nn
 
 from attnserve.arch import LayerSpec, ModelArch
 from attnserve.attention.reference import alibi_slopes
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.activation import get_act_fn
 from attnserve.layers.attention import Attention
 from attnserve.layers.linear import QKVLinear
 from attnserve.layers.norm import LayerNorm
 from attnserve.layers.rotary import get_rope
 from attnserve.models.weights import load_named_weights
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["FalconForCausalLM", "FalconOptions", "deinterleave_qkv"]
 

@@ -9,7 +9,7 @@ Each decoder layer is pre-norm (RMSNorm) around a mixer and an MLP:
   shared experts) where ``LayerSpec.moe`` says so, a SwiGLU MLP elsewhere. Checkpoints name the
   block ``block_sparse_moe`` (experts ``w1``/``w3``/``w2``) or ``mlp``.
 
-Not here: the KDA arithmetic (``layers/state_ops/kda.py``), MTP layers.
+Not here: the KDA arithmetic (``attention/state/kda.py``), MTP layers.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from attnserve.arch import LayerSpec, ModelArch
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.activation import gated, get_act_fn
 from attnserve.layers.attention import Attention
 from attnserve.layers.linear import MergedLinear, QKVLinear
 from attnserve.layers.norm import LayerNorm, RMSNorm
 from attnserve.layers.rotary import get_rope
 from attnserve.models.weights import load_named_weights
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["LlamaForCausalLM", "LlamaOptions"]
 

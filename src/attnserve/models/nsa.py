@@ -9,7 +9,7 @@ per layer ``attn_norm`` -> ``attn`` (``layers/nsa.py``) -> residual, ``mlp_norm`
 is untied). Norms are RMSNorm with ``norm_eps``. The MLP width is ``intermediate_size`` when
 given, else FLA's rule: ``int(hidden_size * hidden_ratio * 2 / 3)`` rounded up to a multiple of
 256 (``hidden_ratio`` 4 when unset). The config checks (heads, blocks, window, activation) are in
-``arch_families._nsa``.
+``arch.families._nsa``.
 """
 
 from __future__ import annotations

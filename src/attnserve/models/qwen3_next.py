@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from attnserve.arch import LayerKind, LayerSpec, ModelArch, MoESpec
+from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.attention import Attention
 from attnserve.layers.gdn import GatedDeltaNet
 from attnserve.layers.linear import QKVLinear
@@ -34,7 +35,6 @@ from attnserve.layers.moe import FusedExperts, GatedMLP, SparseMoE
 from attnserve.layers.norm import RMSNorm
 from attnserve.layers.rotary import get_rope
 from attnserve.models.weights import load_named_weights
-from attnserve.runner.forward_context import get_forward_context
 
 __all__ = ["Qwen3NextForCausalLM", "SharedExpertMoE"]
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from attnserve.engine.scheduler import ScheduledRequest
+    from attnserve.core.step import ScheduledRequest
 
 __all__ = ["BlockTables"]
 

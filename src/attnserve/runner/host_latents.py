@@ -30,7 +30,7 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.host_latent_sparse import HostLatentSparseBackend
 from attnserve.config import EngineConfig
 from attnserve.kvcache.groups import KVCacheGroup, KVCacheLayout, sparse_latent_entries
-from attnserve.runner.kv_cache import host_available_bytes
+from attnserve.runner.cache_allocation import host_available_bytes
 
 __all__ = ["HostLatentPlan", "check_host_latents", "plan_host_latents", "wrap_backends"]
 

@@ -13,17 +13,20 @@ step before and is not yet on the host reads it from that step's device tensor.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from attnserve.arch import ModelArch
-from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backend import Backend
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from attnserve.core.forward_context import ForwardContext, forward_context
+from attnserve.core.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from attnserve.kvcache.groups import KVCacheGroup
+from attnserve.kvcache.spec import CachePolicy
 from attnserve.layers.rotary import RotaryEmbedding
 from attnserve.layers.sampler import (
     LogprobsTensors,
@@ -34,24 +37,20 @@ from attnserve.layers.sampler import (
 )
 from attnserve.platforms import to_device
 from attnserve.runner.block_table import BlockTables
-from attnserve.runner.forward_context import ForwardContext, forward_context
+from attnserve.runner.cuda_graph import CudaGraphRunner
 from attnserve.runner.offload_io import written_blocks
 
-if TYPE_CHECKING:
-    from attnserve.runner.worker import WorkerGroup
+__all__ = ["ModelRunner", "StepBroadcast", "StepHandle"]
 
-__all__ = ["ModelRunner", "RunnerOutput", "StepHandle", "TokenLogprobs"]
-
-# (token ids, logprobs, rank of the first id): the chosen/prompt token first, then the top-k
-TokenLogprobs = tuple[list[int], list[float], int]
+logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+class StepBroadcast(Protocol):
+    """Tensor parallelism, rank 0: sends each step's inputs to the other ranks
+    (``runner/worker.StepBroadcaster``), which then run the same forward."""
 
+    def broadcast_step(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                       state_copies: tuple[tuple[int, int], ...], logit_rows: list[int]) -> None: ...
 
 @dataclass(slots=True)
 class StepHandle:
@@ -80,11 +79,11 @@ def _lp_to_host(lp: LogprobsTensors) -> LogprobsTensors:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArch, groups: list[KVCacheGroup],
-                 backends: list[AttentionBackend], device: torch.device, *, max_model_len: int,
+                 backends: list[Backend], device: torch.device, *, max_model_len: int,
                  max_num_seqs: int, cuda_graphs: bool = False, state_caches: list | None = None,
-                 offload=None, offload_io=None, workers: WorkerGroup | None = None):
+                 offload=None, offload_io=None, broadcaster: StepBroadcast | None = None):
         self.model = model
-        self.workers = workers  # tensor parallel (rank 0): each step's inputs go to the other ranks
+        self.broadcaster = broadcaster  # tensor parallel (rank 0): each step's inputs go to the other ranks
         self.state_caches = state_caches or []
         self.offload, self.offload_io = offload, offload_io
         self.arch = arch
@@ -92,7 +91,7 @@ class ModelRunner:
         self.backends = backends
         self.device = device
         self.block_size = groups[0].block_size
-        self.block_tables = BlockTables([g.policy == "full" for g in groups], num_rows=max_num_seqs)
+        self.block_tables = BlockTables([g.policy is CachePolicy.FULL for g in groups], num_rows=max_num_seqs)
         self.sampler = Sampler()
         for m in model.modules():  # RoPE tables sized once: no per-step host syncs
             if isinstance(m, RotaryEmbedding):
@@ -105,12 +104,12 @@ class ModelRunner:
             self._capture_graphs(backends, max_num_seqs, max_model_len)
 
     def _capture_graphs(self, backends, max_num_seqs: int, max_model_len: int) -> None:
-        from attnserve.runner.cuda_graph import CudaGraphRunner  # imports Triton: CUDA only
-
         if CudaGraphRunner.supported(backends):
-            self.graphs = CudaGraphRunner(self.model, backends, self.arch.num_kv_heads, self.block_size,
-                                          max_num_seqs, max_model_len, self.device)
+            self.graphs = CudaGraphRunner(self.model, backends, self.block_size, max_num_seqs, max_model_len,
+                                          self.device, has_state=bool(self.state_caches))
             self.graphs.capture()
+        else:
+            logger.info("CUDA graphs off: backends %s are not all graph-safe", sorted({b.name for b in backends}))
 
     # --- inputs -----------------------------------------------------------------------------
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, ForwardContext]:
@@ -197,10 +196,9 @@ class ModelRunner:
             if span is not None:
                 prompt_spans.append((s, *span))
                 rows.extend(range(qsl[i] + span[0] - s.start, qsl[i] + span[1] - s.start))
-        if self.workers is not None:  # the other ranks run the same forward and output head
-            self.workers.broadcast_step(input_ids, ctx, output.state_copies, rows)
-        if self.graphs is not None and ctx.common.num_decodes == len(scheduled) \
-                and self.graphs.bucket_for(len(scheduled)) is not None:
+        if self.broadcaster is not None:  # the other ranks run the same forward and output head
+            self.broadcaster.broadcast_step(input_ids, ctx, output.state_copies, rows)
+        if self.graphs is not None and self.graphs.can_run(ctx.common):
             hidden = self.graphs.run(input_ids, ctx)
         else:
             with forward_context(ctx):
@@ -244,11 +242,6 @@ class ModelRunner:
             result.prompt_logprobs[rid] = [(ids, vals, rank) for ids, vals, rank in
                                            zip(lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist())]
         return result
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (if any); the runner is unusable afterwards."""
-        if self.workers is not None:
-            self.workers.shutdown()
 
     def _copy_states(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Snapshot saves and prefix-hit restores, in order (a restore may read a fresh save)."""

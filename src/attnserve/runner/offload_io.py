@@ -43,7 +43,7 @@ from attnserve.kvcache.offload.manager import STATE, LoadJob, OffloadManager, St
 from attnserve.kvcache.state import StateCache
 
 if TYPE_CHECKING:
-    from attnserve.engine.scheduler import ScheduledRequest
+    from attnserve.core.step import ScheduledRequest
 
 __all__ = ["OffloadIO", "written_blocks"]
 

@@ -16,7 +16,7 @@ per rank while loading), then ``shard_model`` keeps the rank's share, in place:
 - vocabulary: a masked embedding lookup of the rank's slice plus an all-reduce; the output head
   computes the rank's slice of the logits, gathered on rank 0.
 
-``shard_arch`` is the same split of a ``ModelArch`` (per-rank heads and state shapes): each
+``arch.shard_arch`` is the same split of a ``ModelArch`` (per-rank heads and state shapes): each
 rank's KV cache is sized from it, and ``attnserve inspect`` reports per rank with it.
 
 What it is not: process start-up and the per-step broadcast (``runner/worker.py``), pipeline
@@ -25,14 +25,14 @@ parallelism, sharded checkpoint loading.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve.arch import LayerSpec, ModelArch, StateDims
+from attnserve.arch import ModelArch, kv_head_share, shard_arch
 from attnserve.layers.attention import Attention
 from attnserve.layers.gdn import GatedDeltaNet
 from attnserve.layers.linear import MergedLinear, QKVLinear
@@ -48,7 +48,6 @@ __all__ = [
     "all_reduce",
     "check_supported",
     "min_over_ranks",
-    "shard_arch",
     "shard_model",
 ]
 
@@ -205,16 +204,7 @@ def _share(offset: int, size: int, parallel: ParallelState, what: str) -> torch.
 
 def _kv_heads(num_kv_heads: int, parallel: ParallelState) -> tuple[int, int]:
     """(first KV head, KV heads) of this rank: a split, or one replicated head per rank."""
-    w = parallel.world_size
-    if num_kv_heads % w == 0:
-        n = num_kv_heads // w
-        return parallel.rank * n, n
-    if w % num_kv_heads == 0:
-        return parallel.rank * num_kv_heads // w, 1
-    raise ValueError(
-        f"tensor parallelism: {num_kv_heads} KV heads neither split over nor replicate "
-        f"onto {w} ranks"
-    )
+    return kv_head_share(num_kv_heads, parallel.world_size, parallel.rank)
 
 
 def _shard_qkv_attention(mod: nn.Module, p: ParallelState) -> None:
@@ -358,46 +348,3 @@ def shard_model(model: nn.Module, p: ParallelState) -> None:
 
 
 # --- per-rank architecture ----------------------------------------------------------------
-
-
-def _split_state(state: StateDims, w: int, layer: int) -> StateDims:
-    """Each state shape split along its leading (channel or head) dimension."""
-
-    def split(shapes):
-        for s in shapes:
-            if s[0] % w:
-                raise ValueError(
-                    f"tensor parallelism: layer {layer}: state dimension {s[0]} does not "
-                    f"split over {w} ranks"
-                )
-        return tuple((s[0] // w, *s[1:]) for s in shapes)
-
-    return StateDims(conv=split(state.conv), recurrent=split(state.recurrent))
-
-
-def _split_layer(s: LayerSpec, w: int) -> LayerSpec:
-    if s.num_heads % w:
-        raise ValueError(
-            f"tensor parallelism: layer {s.index} has {s.num_heads} heads, which do not "
-            f"split over {w} ranks"
-        )
-    heads = s.num_heads // w
-    if s.kind.is_mla:  # every rank keeps the full latent rows
-        return replace(s, num_heads=heads)
-    if s.kind.is_attention:
-        return replace(
-            s, num_heads=heads, num_kv_heads=_kv_heads(s.num_kv_heads, ParallelState(0, w))[1]
-        )
-    state = _split_state(s.state, w, s.index) if s.state is not None else None
-    return replace(s, num_heads=heads, state=state)
-
-
-def shard_arch(arch: ModelArch, world_size: int) -> ModelArch:
-    """The architecture one rank of ``world_size`` holds: its heads, KV heads and state shapes.
-
-    Raises:
-        ValueError: heads (or KV heads, or state channels) that do not split over the ranks.
-    """
-    if world_size == 1:
-        return arch
-    return replace(arch, layers=tuple(_split_layer(s, world_size) for s in arch.layers))

@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks: starting them, the per-step broadcast, the worker loop, a torchrun entry.
+"""Tensor parallelism, the runner's side: the per-step broadcast and the worker's step loop.
 
 Rank 0 is the engine's own process: it schedules, prepares each step's inputs, samples and
 detokenises. Ranks 1..N-1 are workers that each own a model shard and its KV cache shard. Each
@@ -7,53 +7,34 @@ step rank 0 broadcasts a ``StepHeader`` (the step's Python metadata, with
 into one int64 tensor (``broadcast``). Every rank runs the forward in its forward context and
 the output head over the rows rank 0 will read; rank 0 gathers the logits and samples.
 
-Two ways to start the ranks:
-- ``WorkerGroup.start`` (``LLM(..., tensor_parallel_size=N)``): rank 0 spawns N-1 processes
-  with ``torch.multiprocessing`` (spawn) and meets them on a free loopback port;
-- ``torchrun ... -m attnserve.runner.worker COMMAND ...`` (``main``): every rank joins the group
-  torchrun describes; rank 0 runs the ``attnserve`` command, the others run ``run_worker``
-  (``docs/tensor_parallel.md``).
-
-The group uses gloo on CPU and NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``). Rank 0's
-``config`` reaches the workers through the first broadcast, so they need no arguments of their
-own. What it is not: the sharding (``runner/parallel.py``), the scheduler or the sampler.
+``StepBroadcaster`` is rank 0's end (held by its ``ModelRunner``); ``serve_steps`` is a worker's
+loop, which ends when rank 0 broadcasts the stop header (``StepBroadcaster.send_stop``). What it
+is not: starting the ranks and stopping them (``engine/tensor_parallel.py``), the torchrun entry
+(``entrypoints/torchrun.py``), the sharding (``runner/parallel.py``), the scheduler or the sampler.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import queue
-import socket
-import sys
 import threading
-import time
-import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from attnserve import env
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.config import EngineConfig
-from attnserve.runner.forward_context import ForwardContext, forward_context
-from attnserve.runner.parallel import ParallelState
+from attnserve.core.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
     from attnserve.runner.model_runner import ModelRunner
 
-__all__ = ["StepHeader", "WorkerGroup", "main", "run_worker"]
+__all__ = ["StepBroadcaster", "StepHeader", "serve_steps", "step_group"]
 
 logger = logging.getLogger(__name__)
 
-_TIMEOUT = timedelta(minutes=30)  # start-up (weights load on every rank) and in-step collectives
 _IDLE_TIMEOUT = timedelta(days=365)  # workers wait for the next step as long as the engine idles
-_START_S = 300.0  # for the spawned processes to reach the rendezvous
 _JOIN_S = 30.0
 
 
@@ -73,24 +54,9 @@ class StepHeader:
     logit_rows: list[int]  # rows of the hidden states that go through the output head
 
 
-def _backend() -> str:
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _init(
-    rank: int | None = None, world_size: int | None = None, init_method: str | None = None
-) -> None:
-    """Join the default group (torchrun's environment when no rank is given)."""
-    if rank is None:
-        dist.init_process_group(_backend(), timeout=_TIMEOUT)
-    else:
-        dist.init_process_group(
-            _backend(), init_method=init_method, rank=rank, world_size=world_size, timeout=_TIMEOUT
-        )
-
-
-def _step_group() -> dist.ProcessGroup:
-    """A gloo group for the step headers: workers may wait in it for as long as rank 0 idles."""
+def step_group() -> dist.ProcessGroup:
+    """A gloo group for the step headers: workers may wait in it for as long as rank 0 idles.
+    Every rank creates it (a collective), right after joining the default group."""
     return dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
 
 
@@ -163,116 +129,11 @@ def _context(header: StepHeader, t: dict[str, torch.Tensor], runner: ModelRunner
 # --- rank 0 -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class StepBroadcaster:
+    """Rank 0's end of the step broadcast: every step's inputs, then the stop header."""
 
-
-def _wait_ready(processes: list, ready) -> None:
-    """Wait for every spawned worker to reach the rendezvous; fail early if one died."""
-    deadline, waiting = time.monotonic() + _START_S, len(processes)
-    while waiting:
-        try:
-            ready.get(timeout=0.5)
-            waiting -= 1
-            continue
-        except queue.Empty:
-            pass
-        for rank, p in enumerate(processes, start=1):
-            if not p.is_alive():
-                raise RuntimeError(
-                    f"tensor-parallel worker {rank} exited with code {p.exitcode} during start-up "
-                    f"(its error is printed above). Workers are spawned: they re-import the main "
-                    f"script, so a script must build its LLM under `if __name__ == '__main__':`"
-                )
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel workers did not start within {_START_S:.0f} s")
-
-
-def _send_stop(step_group) -> bool:
-    """Broadcast the stop header; False when it failed or did not go out within ``_JOIN_S``
-    (a worker stuck in another collective never reads it)."""
-    sent = threading.Event()
-
-    def send() -> None:
-        try:
-            dist.broadcast_object_list([None], src=0, group=step_group)
-            sent.set()
-        except Exception as e:  # noqa: BLE001 - a dead worker must not keep the others alive
-            logger.warning("could not tell the tensor-parallel workers to stop: %s", e)
-
-    sender = threading.Thread(target=send, name="attnserve-tp-stop", daemon=True)
-    sender.start()
-    sender.join(_JOIN_S)
-    return sent.is_set()
-
-
-def _stop(step_group, processes: list, owns_group: bool, abort: bool = False) -> None:
-    """Tell the workers to exit (or, aborting, terminate them), wait, and leave the group."""
-    if not abort:
-        abort = not _send_stop(step_group)
-    for p in processes:
-        if abort:
-            p.terminate()
-        p.join(_JOIN_S)
-        if p.is_alive():
-            logger.warning("tensor-parallel worker pid %d did not exit; killing it", p.pid)
-            p.kill()
-            p.join()
-    if owns_group and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-class WorkerGroup:
-    """Rank 0's side of the group: the step broadcast, and the workers it started (if any)."""
-
-    def __init__(self, parallel: ParallelState, step_group, processes: list, owns_group: bool):
-        self.parallel = parallel
-        self.step_group = step_group
-        self.processes = processes
-        # workers exit when the engine is closed or garbage collected, or at interpreter exit
-        self._finalizer = weakref.finalize(self, _stop, step_group, processes, owns_group)
-        self._owns_group = owns_group
-
-    @classmethod
-    def start(cls, config: EngineConfig) -> WorkerGroup:
-        """Spawn ranks 1..N-1 (or join torchrun's group), then hand every rank the config."""
-        n = config.parallel.tensor_parallel_size
-        processes = []
-        launched = dist.is_initialized()
-        if launched:  # torchrun: the other ranks run run_worker already
-            if dist.get_rank() != 0 or dist.get_world_size() != n:
-                raise ValueError(
-                    f"tensor_parallel_size={n}, but this process is rank {dist.get_rank()} "
-                    f"of {dist.get_world_size()} (the engine runs on rank 0 of N)"
-                )
-        else:
-            env.disable_nccl_multicast()  # the spawned ranks inherit the environment
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
-            ctx = mp.get_context("spawn")
-            ready = ctx.Queue()
-            processes = [
-                ctx.Process(
-                    target=_spawned_main,
-                    args=(r, n, init_method, ready),
-                    daemon=True,
-                    name=f"attnserve-tp{r}",
-                )
-                for r in range(1, n)
-            ]
-            for p in processes:
-                p.start()
-            try:
-                _wait_ready(processes, ready)
-                _init(0, n, init_method)
-            except BaseException:
-                for p in processes:
-                    p.terminate()
-                raise
-        step_group = _step_group()
-        dist.broadcast_object_list([config], src=0, group=step_group)
-        return cls(ParallelState(0, n), step_group, processes, owns_group=not launched)
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
 
     def broadcast_step(
         self,
@@ -296,34 +157,39 @@ class WorkerGroup:
             tuple(state_copies),
             list(logit_rows),
         )
-        dist.broadcast_object_list([header], src=0, group=self.step_group)
+        dist.broadcast_object_list([header], src=0, group=self.group)
         dist.broadcast(flat, src=0)
 
-    def shutdown(self) -> None:
-        self._finalizer()
+    def send_stop(self) -> bool:
+        """Broadcast the stop header; False when it failed or did not go out within ``_JOIN_S``
+        (a worker stuck in another collective never reads it)."""
+        return _send_stop(self.group)
 
-    def abort(self) -> None:
-        """Terminate the workers without a word (rank 0 failed while they may be mid-collective)."""
-        if self._finalizer.detach() is not None:
-            _stop(self.step_group, self.processes, self._owns_group, abort=True)
+
+def _send_stop(group) -> bool:
+    """Broadcast the stop header; False when it failed or did not go out within ``_JOIN_S``
+    (a worker stuck in another collective never reads it)."""
+    sent = threading.Event()
+
+    def send() -> None:
+        try:
+            dist.broadcast_object_list([None], src=0, group=group)
+            sent.set()
+        except Exception as e:  # noqa: BLE001 - a dead worker must not keep the others alive
+            logger.warning("could not tell the tensor-parallel workers to stop: %s", e)
+
+    sender = threading.Thread(target=send, name="attnserve-tp-stop", daemon=True)
+    sender.start()
+    sender.join(_JOIN_S)
+    return sent.is_set()
 
 
 # --- ranks 1..N-1 -------------------------------------------------------------------------
 
 
-def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """Rank 0's config with this rank's device: CUDA rank r uses GPU r modulo the host's GPUs."""
-    device = config.model.device
-    if (device is None and torch.cuda.is_available()) or (device or "").startswith("cuda"):
-        device = f"cuda:{rank % torch.cuda.device_count()}"
-        torch.cuda.set_device(device)
-        return replace(config, model=replace(config.model, device=device))
-    return config
-
-
-def _receive(step_group, device: torch.device) -> tuple[StepHeader, dict[str, torch.Tensor]] | None:
+def _receive(group, device: torch.device) -> tuple[StepHeader, dict[str, torch.Tensor]] | None:
     box: list = [None]
-    dist.broadcast_object_list(box, src=0, group=step_group)
+    dist.broadcast_object_list(box, src=0, group=group)
     header = box[0]
     if header is None:
         return None
@@ -342,59 +208,7 @@ def _execute(runner: ModelRunner, header: StepHeader, tensors: dict[str, torch.T
         runner.model.compute_logits(hidden[header.logit_rows])
 
 
-def run_worker(parallel: ParallelState) -> None:
-    """A rank > 0 after joining the group: build its shard, run steps until rank 0 stops it."""
-    from attnserve.runner.builder import build_engine_parts
-
-    step_group = _step_group()
-    box: list = [None]
-    dist.broadcast_object_list(box, src=0, group=step_group)
-    config = _rank_config(box[0], parallel.rank)
-    runner = build_engine_parts(config, parallel).runner
-    logger.info(
-        "tensor-parallel rank %d of %d ready on %s",
-        parallel.rank,
-        parallel.world_size,
-        runner.device,
-    )
-    while (step := _receive(step_group, runner.device)) is not None:
+def serve_steps(runner: ModelRunner, group: dist.ProcessGroup) -> None:
+    """A worker's loop: run each step rank 0 broadcasts on this rank's shard, until the stop."""
+    while (step := _receive(group, runner.device)) is not None:
         _execute(runner, *step)
-
-
-def _exit_with_parent(parent: int) -> None:
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:  # the engine's process is gone: nobody will stop us
-            os._exit(1)
-
-
-def _spawned_main(rank: int, world_size: int, init_method: str, ready) -> None:
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    ready.put(rank)
-    _init(rank, world_size, init_method)
-    try:
-        run_worker(ParallelState(rank, world_size))
-    finally:
-        dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``torchrun ... -m attnserve.runner.worker COMMAND ARGS``: rank 0 runs ``attnserve COMMAND
-    ARGS`` (with ``--tensor-parallel-size`` equal to the world size); the others are its workers."""
-    env.disable_nccl_multicast()  # on every rank
-    _init()
-    try:
-        if dist.get_rank() == 0:
-            from attnserve.entrypoints.cli import main as cli_main
-
-            code = cli_main(argv)
-            gc.collect()  # an engine held by a reference cycle stops its workers now
-            return code
-        run_worker(ParallelState(dist.get_rank(), dist.get_world_size()))
-        return 0
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -174,9 +174,6 @@ def attend_expanded(
 class TorchMLABackend(AttentionBackend):
     name = "TORCH_MLA"
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-
     def _slots(self, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
         pos = torch.arange(seq_len, device=block_table_row.device)
         blocks = block_table_row.long()[pos // self.block_size]

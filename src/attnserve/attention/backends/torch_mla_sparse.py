@@ -176,9 +176,6 @@ def write_and_attend(backend, layer, q: torch.Tensor, k: torch.Tensor, kv_cache,
 class TorchMLASparseBackend(AttentionBackend):
     name = "TORCH_MLA_SPARSE"
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-
     def build_metadata(
         self, common: CommonAttentionMetadata, group_id: int
     ) -> TorchMLASparseMetadata:

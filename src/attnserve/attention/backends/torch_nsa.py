@@ -135,9 +135,6 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 class TorchNSABackend(AttentionBackend):
     name = "TORCH_NSA"
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TorchNSAMetadata:
         bt = common.block_tables[group_id]
         bs, nd = self.block_size, common.num_decodes

@@ -74,9 +74,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dist: torch.Tensor
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TorchSDPAMetadata:
         bt = common.block_tables[group_id]
         bs = self.block_size

@@ -3,8 +3,8 @@
 New K/V go into the cache with one kernel; decodes and prefills then run as two launches of
 ``unified_attention`` (decodes take the split-KV decode path, prefills the tiled one). Every
 feature of the layer (window, ALiBi, sinks, soft-cap, fp8 cache) is a kernel argument. The
-metadata holds device tensors and host-side bounds only, so a decode batch built from static
-buffers can be captured in a CUDA graph.
+metadata holds device tensors and host-side bounds only, so a decode batch built over the graph
+runner's buffers can be captured in a CUDA graph (the contract's default hooks).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 
 from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.attention.ops.triton_kv_write import write_kv_cache
-from attnserve.attention.ops.triton_paged_attention import unified_attention
+from attnserve.ops.triton_kv_write import write_kv_cache
+from attnserve.ops.triton_paged_attention import unified_attention
 
 __all__ = ["TritonAttentionBackend", "TritonAttentionMetadata", "TritonBatchPart"]
 
@@ -32,7 +32,7 @@ class TritonBatchPart:
     seq_lens: torch.Tensor  # [n] int32
     max_query_len: int
     max_seq_len: int
-    num_splits: int | None = None  # fixed when captured in a CUDA graph
+    num_splits: int | None = None  # None: picked at launch from the host bounds
 
 
 @dataclass(slots=True)
@@ -43,9 +43,9 @@ class TritonAttentionMetadata:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "TRITON_ATTN"
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
+    # a decode batch's metadata only slices the common tensors; the split count follows from
+    # the host bounds (batch, KV heads, max_seq_len), fixed at capture: the default graph hooks
+    cuda_graph_safe = True
 
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TritonAttentionMetadata:
         bt = common.block_tables[group_id]

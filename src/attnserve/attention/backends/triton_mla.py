@@ -20,7 +20,7 @@ import torch
 from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_mla import attend_expanded, read_latent, write_latent_rows
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.attention.ops.triton_mla import mla_decode
+from attnserve.ops.triton_mla import mla_decode
 
 __all__ = ["TritonMLABackend", "TritonMLAMetadata", "absorb_query", "apply_w_uv"]
 
@@ -53,9 +53,6 @@ def apply_w_uv(u: torch.Tensor, w_kv_b: torch.Tensor, d_nope: int) -> torch.Tens
 
 class TritonMLABackend(AttentionBackend):
     name = "TRITON_MLA"
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
 
     def _slots(self, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
         pos = torch.arange(seq_len, device=block_table_row.device)

@@ -27,7 +27,7 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_mla_sparse import write_and_attend, write_indexer_rows
 from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.attention.ops.triton_mla_sparse import lightning_indexer_topk, sparse_mla
+from attnserve.ops.triton_mla_sparse import lightning_indexer_topk, sparse_mla
 from attnserve.platforms import to_device
 
 __all__ = ["TritonMLASparseBackend", "TritonMLASparseMetadata"]
@@ -59,9 +59,6 @@ def _chunks(start: int, end: int, per_item: int):
 
 class TritonMLASparseBackend(AttentionBackend):
     name = "TRITON_MLA_SPARSE"
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
 
     def build_metadata(
         self, common: CommonAttentionMetadata, group_id: int

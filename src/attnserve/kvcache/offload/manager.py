@@ -9,7 +9,7 @@ device blocks for them, and prepares a load; the runner copies the bytes in befo
 and completes the load. Blocks are keyed by their chained token hash and KV cache group, so a
 block found in the tier holds exactly what recomputing it would produce.
 
-Sliding-window groups follow the device prefix cache (``kvcache/managers.py``): every full block
+Sliding-window groups follow the device prefix cache (``kvcache/policies.py``): every full block
 is stored while it is still on the device, but a hit needs only the blocks the window reaches
 back to from the hit's end; the earlier ones are not loaded and stay the null block.
 """
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from attnserve.kvcache.block_pool import BlockHash
-from attnserve.kvcache.managers import window_blocks_needed
 from attnserve.kvcache.offload.tiers import OffloadTier
+from attnserve.kvcache.policies import window_blocks_needed
 
 __all__ = ["LoadJob", "OffloadManager", "OffloadStats", "StoreJob", "TierHit"]
 

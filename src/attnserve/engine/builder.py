@@ -11,39 +11,41 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from attnserve import env
-from attnserve.arch import ModelArch, load_hf_config
+from attnserve.arch import ModelArch, load_hf_config, read_arch, shard_arch
 from attnserve.attention.backend import AttentionBackend, BackendRequest
 from attnserve.attention.registry import load_backend, override_for, select_backend
 from attnserve.config import EngineConfig
+from attnserve.engine.profile_run import profile_step
+from attnserve.engine.tensor_parallel import WorkerGroup, receive_config
 from attnserve.kvcache.groups import KVCacheGroup, cache_entries, group_entries, plan_layout
-from attnserve.kvcache.kv_cache_manager import KVCacheManager
+from attnserve.kvcache.manager import KVCacheManager
 from attnserve.kvcache.offload import DiskTier, HostTier, OffloadManager
+from attnserve.kvcache.spec import CachePolicy
 from attnserve.kvcache.state import StatePool
 from attnserve.layers.moe import FusedExperts
 from attnserve.models.quantized import QuantScheme, dequantized_weights
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
+from attnserve.runner.cache_allocation import (
+    allocate_kv_cache,
+    allocate_state_cache,
+    determine_num_blocks,
+)
 from attnserve.runner.host_latents import check_host_latents, plan_host_latents, wrap_backends
-from attnserve.runner.kv_cache import allocate_kv_cache, allocate_state_cache, determine_num_blocks
 from attnserve.runner.model_runner import ModelRunner
 from attnserve.runner.offload_io import OffloadIO
 from attnserve.runner.parallel import (
     ParallelState,
     check_supported,
     min_over_ranks,
-    shard_arch,
     shard_model,
 )
-from attnserve.runner.profile_run import profile_step
-
-if TYPE_CHECKING:
-    from attnserve.runner.worker import WorkerGroup
+from attnserve.runner.worker import serve_steps, step_group
 
 __all__ = ["EngineParts", "build_engine_parts", "resolve_model_dir"]
 
@@ -61,9 +63,9 @@ def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dic
         return None, None
     if not config.cache.enable_prefix_caching:
         raise ValueError("KV offloading keeps prefix blocks by their hash: it needs enable_prefix_caching")
-    if any(g.policy not in ("full", "sliding") for g in groups):
+    if any(g.policy not in (CachePolicy.FULL, CachePolicy.SLIDING) for g in groups):
         raise ValueError("KV offloading keeps full and sliding-window groups; this model has "
-                         f"{sorted({g.policy for g in groups})} groups")
+                         f"{sorted({g.policy.value for g in groups})} groups")
     io = OffloadIO(groups, caches, state_caches, device)
     blob = max([io.block_bytes(g) for g in range(len(groups))] + [io.state_bytes()])
     capacity = int(off.kv_offloading_size * 1024**3) // blob
@@ -74,7 +76,7 @@ def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dic
     else:
         tier = HostTier(capacity, blob, pin_memory=device.type == "cuda")
     manager = OffloadManager(tier, len(groups), groups[0].block_size, has_state=bool(state_caches),
-                             windows=[g.window if g.policy == "sliding" else None for g in groups])
+                             windows=[g.window if g.policy is CachePolicy.SLIDING else None for g in groups])
     logger.info("KV offloading: %s tier of %d blocks of %d bytes", off.kv_offloading_backend, capacity, blob)
     return manager, io
 
@@ -93,6 +95,7 @@ class EngineParts:
     num_blocks: int
     kv_manager: KVCacheManager
     runner: ModelRunner
+    workers: WorkerGroup | None = None  # tensor parallel, rank 0: the ranks it started
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -149,21 +152,29 @@ def _start_parallel(config: EngineConfig, arch: ModelArch, parallel: ParallelSta
     if config.offload.kv_offloading_size is not None:
         raise ValueError("KV offloading is not supported with tensor_parallel_size > 1 yet")
     check_supported(arch, get_model_class(arch), config.parallel.tensor_parallel_size)
-    from attnserve.runner.worker import WorkerGroup
-
-    workers = WorkerGroup.start(config)
+    workers = WorkerGroup.start(config, run_worker)
     return workers.parallel, workers
+
+
+def run_worker(parallel: ParallelState) -> None:
+    """A rank > 0 after joining the group: build its shard like rank 0, then serve its steps
+    until rank 0 stops it (``runner/worker.serve_steps``)."""
+    group = step_group()
+    config = receive_config(group, parallel.rank)
+    runner = build_engine_parts(config, parallel).runner
+    logger.info("tensor-parallel rank %d of %d ready on %s", parallel.rank, parallel.world_size, runner.device)
+    serve_steps(runner, group)
 
 
 def build_engine_parts(config: EngineConfig, parallel: ParallelState | None = None) -> EngineParts:
     """Everything an engine (or a tensor-parallel rank) runs with.
 
     Args:
-        parallel: a tensor-parallel worker's rank (``runner/worker.py``); None on rank 0, which
+        parallel: a tensor-parallel worker's rank (``run_worker``); None on rank 0, which
             starts the other ranks itself when ``tensor_parallel_size`` > 1.
     """
     model_dir = resolve_model_dir(config.model.model)
-    arch = ModelArch.from_hf(load_hf_config(model_dir), use_mla=not env.mla_disabled())
+    arch = read_arch(load_hf_config(model_dir), use_mla=not env.mla_disabled())
     if config.model.load_format != "dummy":  # an unsupported checkpoint format fails before any weight is read
         QuantScheme.from_config(arch.quantization_config)
     check_host_latents(config, arch)
@@ -194,7 +205,7 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     layout = plan_layout(entries)  # the paged groups; state layers get slots instead
     groups = list(layout.groups)
     state_groups = [KVCacheGroup(len(groups) + i, g.policy, g.window, g.entries)
-                    for i, g in enumerate(group_entries([e for e in entries if e.spec.policy == "state"]))]
+                    for i, g in enumerate(group_entries([e for e in entries if e.spec.policy is CachePolicy.STATE]))]
     backend_names = _select_backends(arch, groups + state_groups, dtype, config, platform)
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
     host_latents = plan_host_latents(config, arch, layout, max_len)  # None unless kv_offload_sparse_latents
@@ -247,10 +258,10 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                          max_num_seqs=config.scheduler.max_num_seqs,
                          cuda_graphs=graphs,
                          state_caches=state_caches, offload=offload, offload_io=offload_io,
-                         workers=workers)
+                         broadcaster=workers.broadcaster if workers is not None else None)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
                        dtype=dtype, platform=platform, groups=groups, backend_names=backend_names,
-                       num_blocks=num_blocks, kv_manager=kv, runner=runner)
+                       num_blocks=num_blocks, kv_manager=kv, runner=runner, workers=workers)
 
 
 def _build_model(arch: ModelArch, model_dir: Path, config: EngineConfig, device: torch.device,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnserve.layers.state_ops.conv import pad_varlen, read_states, unpad_varlen
+from attnserve.attention.state.conv import pad_varlen, read_states, unpad_varlen
 
 __all__ = ["selective_scan_decode", "selective_scan_prefill"]
 

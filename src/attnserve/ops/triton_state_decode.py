@@ -11,7 +11,7 @@ tile ``S`` [dk, block_v] once and writes it back once::
     S <- exp(-s_h) S + k v^T;  o = S^T q
 
 The PyTorch twins (``selective_scan_decode``, ``lightning_attention_decode`` in
-``layers/state_ops``) gather the rows, decay, add, scatter and contract: several passes over the
+``attention/state``) gather the rows, decay, add, scatter and contract: several passes over the
 state and several launches, where these are one read and one write.
 
 Arithmetic is float32 whatever the input dtypes; the state is stored back in its own dtype and

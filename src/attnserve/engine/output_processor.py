@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from attnserve.core.request import Request
+from attnserve.core.step import TokenLogprobs
 from attnserve.detokenizer import IncrementalDetokenizer, decode_token
-from attnserve.engine.request import Request
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
-from attnserve.runner.model_runner import TokenLogprobs
 
 __all__ = ["CompletionState", "RequestState"]
 

@@ -11,7 +11,7 @@ allocated before it started (weights and the temporary caches), so that
 rebound by the real allocation afterwards. Before this pass a first long prefill met mid-run
 compiled its Triton kernels inside a user's step (seconds on the H200).
 
-What this is not: the KV sizing itself (``runner/kv_cache.py``), nor CUDA-graph capture
+What this is not: the KV sizing itself (``runner/cache_allocation.py``), nor CUDA-graph capture
 (``runner/cuda_graph.py``, after the real allocation).
 """
 
@@ -27,12 +27,12 @@ from torch import nn
 
 from attnserve.arch import ModelArch
 from attnserve.config import EngineConfig
-from attnserve.engine.request import Request
+from attnserve.core.request import Request
 from attnserve.engine.scheduler import Scheduler
 from attnserve.kvcache.groups import KVCacheGroup, KVCacheLayout
-from attnserve.kvcache.kv_cache_manager import KVCacheManager
+from attnserve.kvcache.manager import KVCacheManager
 from attnserve.kvcache.state import StatePool
-from attnserve.runner.kv_cache import allocate_kv_cache, allocate_state_cache
+from attnserve.runner.cache_allocation import allocate_kv_cache, allocate_state_cache
 from attnserve.runner.model_runner import ModelRunner
 from attnserve.sampling_params import SamplingParams
 

@@ -1,6 +1,6 @@
 """Per-family readers of HF configs: how each model type lays out its layers.
 
-``arch.ModelArch.from_hf`` dispatches here by ``model_type``. Each builder returns the list of
+``arch.load.read_arch`` dispatches here by ``model_type``. Each builder returns the list of
 ``LayerSpec`` (one per layer) and the model's ``MoESpec`` (or None). The quirks handled here
 are listed in DESIGN.md (ModelArch); each has a test in ``tests/unit/test_arch.py``.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from attnserve.arch import (
+from attnserve.arch.model_arch import (
     ArchError,
     IndexerDims,
     LayerKind,
@@ -19,7 +19,7 @@ from attnserve.arch import (
     RopeConfig,
     StateDims,
 )
-from attnserve.arch_reader import (
+from attnserve.arch.reader import (
     Reader,
     check_types,
     deepseek_moe,

@@ -7,17 +7,33 @@ none), and give a request's blocks back (``free``). One block pool serves every 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
-from attnserve.kvcache.block_pool import BlockPool, KVCacheBlock
+from attnserve.kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock
 from attnserve.kvcache.groups import KVCacheGroup
-from attnserve.kvcache.managers import SingleTypeManager, create_manager
+from attnserve.kvcache.policies import SingleTypeManager, create_manager
 from attnserve.kvcache.state import StatePool
 
-if TYPE_CHECKING:
-    from attnserve.engine.request import Request
+__all__ = ["CacheRequest", "KVCacheManager"]
 
-__all__ = ["KVCacheManager"]
+
+class CacheRequest(Protocol):
+    """What the KV cache reads of a request (``core.Request`` is one): the cache knows block
+    hashes and token counts, not prompts, sampling or outputs."""
+
+    request_id: str
+    num_computed_tokens: int
+    cacheable: bool  # False: never served from or stored in the prefix cache
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+
+    @property
+    def skip_prefix_cache(self) -> bool: ...
 
 
 class KVCacheManager:
@@ -44,7 +60,7 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[list[KVCacheBlock]], int]:
         """Cache hits for a request that holds no blocks: per-group blocks and the hit length.
 
         The last prompt token is always recomputed (its logits start the generation), so a hit
@@ -73,7 +89,7 @@ class KVCacheManager:
         self.pool.num_hits += length
         return hits, length
 
-    def _snapshot_length(self, request: Request, length: int) -> int:
+    def _snapshot_length(self, request: CacheRequest, length: int) -> int:
         """The longest prefix, at most ``length``, whose state snapshot exists."""
         k = length // self.block_size
         while k and request.block_hashes[k - 1] not in self.state_pool.snapshots:
@@ -86,7 +102,7 @@ class KVCacheManager:
         so do the group's device hits before them (the window no longer reaches them)."""
         return [[self.pool.null_block] * (len(h) + k) if k else h for h, k in zip(hits, counts)]
 
-    def can_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+    def can_allocate(self, request: CacheRequest, num_new_tokens: int, num_new_computed_tokens: int = 0,
                      new_computed_blocks: list[list[KVCacheBlock]] | None = None) -> bool:
         """Whether ``allocate_slots`` would succeed (blocks a window would drop count as free)."""
         new_computed = new_computed_blocks or [[] for _ in self.managers]
@@ -97,7 +113,7 @@ class KVCacheManager:
                         for m in self.managers)
         return needed <= self.pool.num_free_blocks + droppable
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+    def allocate_slots(self, request: CacheRequest, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[list[KVCacheBlock]] | None = None) -> bool:
         """Give the request room for ``num_new_tokens`` more tokens in every group, or nothing.
 
@@ -131,7 +147,7 @@ class KVCacheManager:
                 m.cache_blocks(rid, request.block_hashes, cached_len)
         return True
 
-    def free(self, request: Request) -> None:
+    def free(self, request: CacheRequest) -> None:
         for m in self.managers:
             m.free(request.request_id)
         if self.state_pool is not None:
@@ -141,7 +157,7 @@ class KVCacheManager:
     def state_slot(self, request_id: str) -> int:
         return self.state_pool.slot_of.get(request_id, 0) if self.state_pool is not None else 0
 
-    def snapshot_state(self, request: Request) -> tuple[int, int] | None:
+    def snapshot_state(self, request: CacheRequest) -> tuple[int, int] | None:
         """After a step: if the request's state now ends on a full block, keep a copy of it
         (keyed by that block's hash) so a later prefix hit can restore it.
 

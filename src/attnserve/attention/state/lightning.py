@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.layers.state_ops.conv import pad_varlen, read_states, unpad_varlen
+from attnserve.attention.state.conv import pad_varlen, read_states, unpad_varlen
 
 __all__ = ["lightning_attention_decode", "lightning_attention_prefill", "lightning_decay_rates"]
 

@@ -10,21 +10,21 @@ layer, not a backend and not a kernel (Triton twins, when written, are tested ag
 
 from __future__ import annotations
 
-from attnserve.layers.state_ops.conv import causal_conv1d_prefill, causal_conv1d_update
-from attnserve.layers.state_ops.gated_delta import (
+from attnserve.attention.state.conv import causal_conv1d_prefill, causal_conv1d_update
+from attnserve.attention.state.gated_delta import (
     delta_rule_decode,
     delta_rule_prefill,
     gated_delta_decode,
     gated_delta_prefill,
     l2norm,
 )
-from attnserve.layers.state_ops.kda import kda_decode, kda_prefill
-from attnserve.layers.state_ops.lightning import (
+from attnserve.attention.state.kda import kda_decode, kda_prefill
+from attnserve.attention.state.lightning import (
     lightning_attention_decode,
     lightning_attention_prefill,
     lightning_decay_rates,
 )
-from attnserve.layers.state_ops.mamba import selective_scan_decode, selective_scan_prefill
+from attnserve.attention.state.mamba import selective_scan_decode, selective_scan_prefill
 
 __all__ = [
     "causal_conv1d_prefill",

@@ -7,7 +7,7 @@ One program per (sequence, value head, tile of ``block_v`` value columns) reads 
 
 with q and k those of the head's key head (value head h reads key head ``h // (Hv // Hk)``),
 l2-normalised (eps inside the root) and q scaled by ``dk^-0.5``, as ``_prepare_qk`` in
-``layers/state_ops/gated_delta.py`` does. The log decay ``g`` is one value per head (Gated
+``attention/state/gated_delta.py`` does. The log decay ``g`` is one value per head (Gated
 DeltaNet) or one per key channel (KDA: each row of ``S`` decays at its own rate), a constexpr
 switch. The PyTorch path gathers the rows, scales, runs two einsums, adds and scatters: about
 five passes over the state and several launches, where this is one read and one write. Each
@@ -16,7 +16,7 @@ value tile recomputes the (small) q/k normalisation rather than sharing it.
 Arithmetic is float32 whatever the input dtypes; the state is stored back in its own dtype and
 the output in v's. A sequence whose state row is negative (padding) is skipped: its state is not
 touched and its output is zeros. Two sequences must not share a state row (as in the twin, the
-result would be undefined). The twin is ``delta_rule_decode`` (``layers/state_ops``). Not here:
+result would be undefined). The twin is ``delta_rule_decode`` (``attention/state``). Not here:
 the chunked prefill, the short conv, the gates that produce ``g`` and ``beta``. Configs are
 pinned (no autotune); under ``TRITON_INTERPRET=1`` the value tile covers the whole head, since
 the interpreter pays per program.

@@ -11,13 +11,10 @@ It is not a model implementation: family-specific details that only one model fi
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 __all__ = [
@@ -32,7 +29,6 @@ __all__ = [
     "NSADims",
     "RopeConfig",
     "StateDims",
-    "load_hf_config",
 ]
 
 
@@ -300,114 +296,3 @@ class ModelArch:
     def quantization_config(self) -> Mapping[str, Any] | None:
         """The checkpoint's ``quantization_config`` as written (``models/quantized.py`` reads it)."""
         return self.hf_config.get("quantization_config")
-
-    # --- construction ----------------------------------------------------------------------
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
-        """Build the architecture from a HF ``config.json`` dict.
-
-        Args:
-            config: the parsed ``config.json`` (a multimodal wrapper is read through its
-                ``text_config``).
-            use_mla: False runs MLA models with expanded per-head K/V (``ATTNSERVE_MLA_DISABLE``).
-        Raises:
-            ArchError: naming the model type and the field that cannot be understood.
-        """
-        from attnserve import arch_families  # the per-family readers import this module
-
-        if not isinstance(config, Mapping):
-            raise ArchError(f"config must be a JSON object, got {type(config).__name__}")
-        cfg = _text_config(config)
-        model_type = cfg.get("model_type")
-        if not model_type:
-            raise ArchError("config has no 'model_type' field")
-        builder = arch_families.BUILDERS.get(model_type)
-        if builder is None:
-            known = ", ".join(sorted(arch_families.BUILDERS))
-            raise ArchError(f"model_type '{model_type}' is not supported (supported: {known})")
-        reader = arch_families.Reader(model_type, cfg)
-        layers, moe = builder(reader)
-        if not use_mla:
-            layers = [arch_families.expand_mla(s) for s in layers]
-        if len(layers) != reader.num_layers:
-            raise ArchError(f"{model_type}: built {len(layers)} layers for num_hidden_layers={reader.num_layers}")
-        if not any(s.kind.is_attention for s in layers) and not any(s.kind.is_state for s in layers):
-            raise ArchError(f"{model_type}: no attention or state layers found")
-        eos = cfg.get("eos_token_id", config.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        tie = cfg.get("tie_word_embeddings", config.get("tie_word_embeddings"))
-        if tie is None:
-            tie = model_type in arch_families.TIED_BY_DEFAULT
-        return cls(
-            model_type=model_type,
-            architectures=tuple(config.get("architectures") or cfg.get("architectures") or ()),
-            hidden_size=reader.hidden_size,
-            num_layers=reader.num_layers,
-            vocab_size=reader.int("vocab_size"),
-            max_position_embeddings=reader.max_position_embeddings,
-            dtype=_model_dtype(cfg, config, model_type),
-            layers=tuple(layers),
-            tie_word_embeddings=bool(tie),
-            moe=moe,
-            bos_token_id=cfg.get("bos_token_id", config.get("bos_token_id")),
-            eos_token_ids=eos_ids,
-            hf_config=MappingProxyType(dict(cfg)),
-        )
-
-
-def load_hf_config(path: str | Path) -> dict[str, Any]:
-    """Read ``config.json`` from a model directory or a file path, with errors naming the file."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.exists():
-        raise FileNotFoundError(f"no config.json at {p}")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ArchError(f"{p}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ArchError(f"{p}: expected a JSON object")
-    return data
-
-
-_TEXT_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
-
-
-def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:  # noqa: C901
-    """Read multimodal wrappers through their ``text_config``; normalise text model types."""
-    text = config.get("text_config")
-    if isinstance(text, Mapping):
-        cfg = dict(text)
-        cfg.setdefault("model_type", config.get("model_type"))
-        for key in ("tie_word_embeddings", "torch_dtype", "dtype", "quantization_config"):
-            if key not in cfg and key in config:
-                cfg[key] = config[key]
-    else:
-        cfg = dict(config)
-    mt = cfg.get("model_type")
-    if mt == "gemma3":  # the wrapper type without a text_config: the text model itself
-        cfg["model_type"] = "gemma3_text"
-    cfg["model_type"] = _TEXT_TYPE_ALIASES.get(cfg.get("model_type"), cfg.get("model_type"))
-    return cfg
-
-
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
-
-
-def _model_dtype(cfg: Mapping[str, Any], config: Mapping[str, Any], model_type: str) -> str:
-    """``torch_dtype`` (or transformers 5's ``dtype``); when missing, float32 as transformers
-    does, except for quantised checkpoints, whose activations run in bfloat16."""
-    value = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or config.get("dtype")
-    if value is None:
-        quantized = "quantization_config" in cfg or "quantization_config" in config
-        value = "bfloat16" if quantized else "float32"
-    return _dtype_name(value, model_type)
-
-
-def _dtype_name(value: Any, model_type: str) -> str:
-    name = str(value).replace("torch.", "").lower()
-    if name not in _DTYPES:
-        raise ArchError(f"{model_type}: unsupported torch_dtype '{value}'")
-    return _DTYPES[name]

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from attnserve import env
-from attnserve.attention.ops.triton_mla import (
+from attnserve.kvcache.fp8 import hadamard, indexer_fp8_views, quantize_act_fp8
+from attnserve.ops.triton_mla import (
     LOG2E,
     MLAConfig,
     attend_latent_tile,
@@ -39,7 +40,6 @@ from attnserve.attention.ops.triton_mla import (
     prepare_latent_launch,
     store_latent_rows,
 )
-from attnserve.kvcache.fp8 import hadamard, indexer_fp8_views, quantize_act_fp8
 
 __all__ = [
     "IndexerConfig",

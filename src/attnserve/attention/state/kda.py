@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.layers.state_ops.gated_delta import delta_rule_decode, delta_rule_prefill
+from attnserve.attention.state.gated_delta import delta_rule_decode, delta_rule_prefill
 
 __all__ = ["kda_decode", "kda_prefill"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.layers.state_ops.conv import pad_varlen, read_states, unpad_varlen
+from attnserve.attention.state.conv import pad_varlen, read_states, unpad_varlen
 
 __all__ = [
     "delta_rule_decode",

@@ -2,7 +2,7 @@
 
 ``Reader`` gives each field with an error that names the model type and the field; the helpers
 turn common patterns (window layouts, RoPE, MoE shapes, MLA dims) into ``LayerSpec`` lists.
-The per-family layouts that use them are in ``arch_families.py``.
+The per-family layouts that use them are in ``arch/families.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from attnserve.arch import (
+from attnserve.arch.model_arch import (
     ArchError,
     IndexerDims,
     LayerKind,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from attnserve.kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock
 from attnserve.kvcache.groups import KVCacheGroup
+from attnserve.kvcache.spec import CachePolicy
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -202,10 +203,8 @@ class StreamingManager(SingleTypeManager):
 
 
 def create_manager(group: KVCacheGroup, pool: BlockPool) -> SingleTypeManager:
-    if group.policy == "full":
-        return FullAttentionManager(group, pool)
-    if group.policy == "sliding":
-        return SlidingWindowManager(group, pool)
-    if group.policy == "streaming":
-        return StreamingManager(group, pool)
-    raise NotImplementedError(f"KV cache groups with policy '{group.policy}' are not supported yet")
+    managers = {CachePolicy.FULL: FullAttentionManager, CachePolicy.SLIDING: SlidingWindowManager,
+                CachePolicy.STREAMING: StreamingManager}
+    if group.policy not in managers:
+        raise NotImplementedError(f"KV cache groups with policy '{group.policy.value}' have no block manager")
+    return managers[group.policy](group, pool)
