@@ -128,19 +128,24 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
-        st = self.static
         for bs in reversed(self.buckets):
             common = self._common(bs)
             metadata = [b.build_graph_metadata(common, g) for g, b in enumerate(self.backends)]
-            ctx = ForwardContext(common=common, attn_metadata=metadata, token_seq_lens=st.token_seq_lens[:bs])
-            with forward_context(ctx):
-                for _ in range(2):  # warm up: compile kernels, settle allocations
-                    self.model(st.input_ids[:bs], st.positions[:bs])
-                self._synchronize()
-                replay, output = self._capture_graph(lambda bs=bs: self.model(st.input_ids[:bs], st.positions[:bs]))
+            ctx = ForwardContext(common=common, attn_metadata=metadata,
+                                 token_seq_lens=self.static.token_seq_lens[:bs])
+            for _ in range(2):  # warm up: compile kernels, settle allocations
+                self._forward(ctx)
+            self._synchronize()
+            replay, output = self._capture_graph(lambda ctx=ctx: self._forward(ctx))
             self.captured[bs] = _Captured(replay, output, metadata)
         self._synchronize()
         logger.info("captured CUDA graphs for decode batches %s", self.buckets)
+
+    def _forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """The model over the persistent inputs of ``ctx``'s batch, in ``ctx``."""
+        bs = ctx.common.num_reqs
+        with forward_context(ctx):
+            return self.model(self.static.input_ids[:bs], self.static.positions[:bs])
 
     def _capture_graph(self, forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         """Record ``forward`` into a graph; (its replay, the output tensor it writes)."""

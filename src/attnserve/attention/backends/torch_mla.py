@@ -63,8 +63,12 @@ def write_latent_rows(
         kv_lora_rank: L.
     """
     flat = cache.view(-1, cache.shape[-1])  # [num_slots, row width]
-    keep = slot_mapping >= 0
-    flat.index_copy_(0, slot_mapping[keep], pack_latent_rows(rows[keep], cache, kv_lora_rank))
+    # no boolean indexing (its size is data, which a CUDA graph cannot replay): a row with slot
+    # -1 rewrites slot 0, a row of the null block that no token owns, with what it holds
+    slots = slot_mapping.clamp(min=0)
+    packed = pack_latent_rows(rows, cache, kv_lora_rank)
+    packed = torch.where((slot_mapping >= 0)[:, None], packed, flat.index_select(0, slots))
+    flat.index_copy_(0, slots, packed)
 
 
 def pack_latent_rows(rows: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:

@@ -53,6 +53,9 @@ def apply_w_uv(u: torch.Tensor, w_kv_b: torch.Tensor, d_nope: int) -> torch.Tens
 
 class TritonMLABackend(AttentionBackend):
     name = "TRITON_MLA"
+    # a decode batch's metadata only slices the common tensors (no prefills, host bounds fixed
+    # at capture) and latent rows are written without boolean indexing: the default graph hooks
+    cuda_graph_safe = True
 
     def _slots(self, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
         pos = torch.arange(seq_len, device=block_table_row.device)

@@ -1,0 +1,175 @@
+"""The CUDA-graph runner through the backend contract, on CPU.
+
+``runner/cuda_graph.py`` knows backends only by ``Backend.cuda_graph_safe``,
+``build_graph_metadata`` and ``refresh_graph_metadata``. Here its ``_capture_graph`` is replaced by
+an eager stand-in whose "replay" runs the captured forward again over the persistent buffers,
+with the metadata and host bounds fixed at capture, as a graph would: decode steps of a real
+engine (TRITON_ATTN, and TRITON_MLA with a float32 or an fp8 latent cache, under
+Triton's interpreter) replayed that way equal the eager engine, padded buckets included, and a backend that owns a persistent buffer is refreshed before each replay
+(without the refresh the outputs differ, so the check can fail). On the H200,
+``benchmarks/gpu_check.py`` compares real graphs with eager runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from attnserve import LLM, SamplingParams  # noqa: E402
+from attnserve.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
+from attnserve.attention.metadata import CommonAttentionMetadata  # noqa: E402
+from attnserve.runner.cuda_graph import CudaGraphRunner  # noqa: E402
+from tests.models.parity import build_hf_model, make_prompts, run_engine  # noqa: E402
+
+MAX_SEQS = 4  # buckets 1, 2, 4: three requests replay the bucket of 4 with a padded row
+
+
+class EagerReplay(CudaGraphRunner):
+    """A graph runner whose "graphs" run the captured forward again (CPU has no CUDA graphs)."""
+
+    replays = 0
+
+    def _capture_graph(self, forward):
+        output = forward()
+
+        def replay() -> None:
+            EagerReplay.replays += 1
+            output.copy_(forward())
+
+        return replay, output
+
+
+class OwnSeqLens(TritonAttentionBackend):
+    """TRITON_ATTN whose captured decode metadata reads a sequence-length buffer of its own,
+    refreshed before every replay (the contract's persistent-buffer hook)."""
+
+    refreshes = 0
+
+    def build_graph_metadata(self, common, group_id):
+        meta = self.build_metadata(common, group_id)
+        (part,) = meta.parts
+        part.seq_lens = torch.ones_like(common.seq_lens)  # owned, not a view of the runner's
+        return meta
+
+    def refresh_graph_metadata(self, metadata, common):
+        OwnSeqLens.refreshes += 1
+        own = metadata.parts[0].seq_lens
+        own[: common.num_reqs].copy_(common.seq_lens)
+        own[common.num_reqs:].fill_(1)
+
+
+LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+CASES = {  # name -> (model type, config, backend, engine options)
+    "gqa": ("llama", LLAMA, "TRITON_ATTN", {}),
+    "mla": ("deepseek_v3", {}, "TRITON_MLA", {}),
+    "mla_fp8": ("deepseek_v3", {"kv_lora_rank": 128}, "TRITON_MLA", {"kv_cache_dtype": "fp8"}),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    _build("gqa", path)
+    return path
+
+
+def _build(case: str, path) -> None:
+    model_type, config, _, _ = CASES[case]
+    if model_type == "deepseek_v3":  # the parity test's tiny DeepSeek-V3 (MoE, q LoRA, MLA)
+        from tests.models.test_parity_deepseek import FAMILIES
+
+        config = {**FAMILIES["v3"][1], **config, "vocab_size": 256}
+    build_hf_model(model_type, config, path)
+
+
+def _generate(model_dir, graphs: type[CudaGraphRunner] | None, backend: type | None = None,
+              case: str = "gqa"):
+    llm = LLM(str(model_dir), dtype="float32", attention_backend=CASES[case][2], max_num_seqs=MAX_SEQS,
+              max_model_len=64, max_num_batched_tokens=64, **CASES[case][3])
+    runner = llm.llm_engine.runner
+    if graphs is not None:
+        if backend is not None:  # the same backend with other graph hooks, rebound to every layer
+            old = runner.backends[0]
+            runner.backends[0] = backend(old.block_size)
+            for m in runner.model.modules():
+                if getattr(m, "backend", None) is old:
+                    m.backend = runner.backends[0]
+        assert CudaGraphRunner.supported(runner.backends)
+        runner.graphs = graphs(runner.model, runner.backends, runner.block_size, MAX_SEQS, 64, runner.device)
+        runner.graphs.capture()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    return run_engine(llm, make_prompts([5, 9, 3], vocab=256), params)
+
+
+def _assert_same(a_outs, b_outs, tol=1e-5):
+    for a, b in zip(a_outs, b_outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert set(ea) == set(eb)
+            for tid in ea:
+                assert abs(ea[tid].logprob - eb[tid].logprob) < tol
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replayed_decode_steps_equal_eager(case, tmp_path):
+    _build(case, tmp_path)
+    eager = _generate(tmp_path, None, case=case)
+    EagerReplay.replays = 0
+    replayed = _generate(tmp_path, EagerReplay, case=case)
+    assert EagerReplay.replays >= 5  # every decode step of the three requests
+    _assert_same(eager, replayed)
+
+
+def test_backend_buffers_are_refreshed_before_each_replay(model_dir, monkeypatch):
+    eager = _generate(model_dir, None)
+    OwnSeqLens.refreshes = 0
+    EagerReplay.replays = 0
+    _assert_same(eager, _generate(model_dir, EagerReplay, OwnSeqLens))
+    assert OwnSeqLens.refreshes == EagerReplay.replays >= 5
+    # the same run without the refresh reads stale sequence lengths: other logprobs
+    monkeypatch.setattr(OwnSeqLens, "refresh_graph_metadata", lambda self, metadata, common: None)
+    with pytest.raises(AssertionError):
+        _assert_same(eager, _generate(model_dir, EagerReplay, OwnSeqLens))
+
+
+def _common(num_tokens: list[int], state_decodes: int | None = None) -> CommonAttentionMetadata:
+    qsl = [0]
+    for n in num_tokens:
+        qsl.append(qsl[-1] + n)
+    lens = [8] * len(num_tokens)
+    state = state_decodes is not None
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        positions=torch.zeros(qsl[-1], dtype=torch.int64), block_tables=[torch.zeros(len(lens), 1, dtype=torch.int32)],
+        slot_mappings=[torch.zeros(qsl[-1], dtype=torch.int64)], query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+        num_decodes=sum(1 for n in num_tokens if n == 1), max_query_len=max(num_tokens), max_seq_len=8,
+        state_slots=torch.ones(len(lens), dtype=torch.int64) if state else None,
+        has_initial_state=torch.ones(len(lens), dtype=torch.bool) if state else None,
+        num_state_decodes=state_decodes or 0)
+
+
+def test_which_steps_replay():
+    backends = [TritonAttentionBackend(16)]
+    plain = CudaGraphRunner(torch.nn.Identity(), backends, 16, MAX_SEQS, 64, torch.device("cpu"))
+    assert plain.can_run(_common([1, 1, 1]))
+    assert not plain.can_run(_common([1, 1, 3]))  # a prefill in the step
+    assert not plain.can_run(_common([1] * (MAX_SEQS + 1)))  # no bucket that large
+    hybrid = CudaGraphRunner(torch.nn.Identity(), backends, 16, MAX_SEQS, 64, torch.device("cpu"), has_state=True)
+    assert hybrid.can_run(_common([1, 1], state_decodes=2))
+    assert not hybrid.can_run(_common([1, 1], state_decodes=1))  # a one-token prompt: no state yet
+
+
+def test_only_graph_safe_backends_are_captured():
+    from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
+    from attnserve.attention.state.torch_backends import TorchGDNBackend
+
+    assert CudaGraphRunner.supported([TritonAttentionBackend(16)])
+    assert not CudaGraphRunner.supported([TritonAttentionBackend(16), TorchGDNBackend(16)])
+    assert not CudaGraphRunner.supported([TorchSDPABackend(16)])
