@@ -1,9 +1,10 @@
 """Wiring an engine together from its config: model, tokenizer, backends, KV cache, runner.
 
-The order matters and is the same on every platform: read the architecture, pick the device
-and dtype, build the model and load its weights, group the cache entries and choose one
-backend per group, (CUDA) run the profiling pass, size the block pool from the memory left,
-allocate and bind the caches.
+The order matters and is the same on every platform: read the architecture, pick the device,
+take the engine's plan (``engine/plan.py``: dtypes, cache groups, one backend per group, bytes
+per block), load those backends, build the model and load its weights, (CUDA) run the
+profiling pass, size the block pool from the memory left, allocate and bind the caches. This
+file groups nothing and selects no backend: it allocates what the plan says.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from pathlib import Path
 import torch
 
 from attnserve import env
-from attnserve.arch import ModelArch, load_hf_config, read_arch, shard_arch
-from attnserve.attention.backend import AttentionBackend, BackendRequest
-from attnserve.attention.registry import load_backend, override_for, select_backend
+from attnserve.arch import ModelArch, load_hf_config, read_arch
+from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.registry import load_backend
 from attnserve.config import EngineConfig
+from attnserve.engine.plan import EnginePlan, plan_engine
 from attnserve.engine.profile_run import profile_step
 from attnserve.engine.tensor_parallel import WorkerGroup, receive_config
-from attnserve.kvcache.groups import KVCacheGroup, cache_entries, group_entries, plan_layout
+from attnserve.kvcache.groups import KVCacheGroup
 from attnserve.kvcache.manager import KVCacheManager
 from attnserve.kvcache.offload import DiskTier, HostTier, OffloadManager
 from attnserve.kvcache.spec import CachePolicy
@@ -36,7 +38,12 @@ from attnserve.runner.cache_allocation import (
     allocate_state_cache,
     determine_num_blocks,
 )
-from attnserve.runner.host_latents import check_host_latents, plan_host_latents, wrap_backends
+from attnserve.runner.host_latents import (
+    HostLatentPlan,
+    check_host_latents,
+    plan_host_latents,
+    wrap_backends,
+)
 from attnserve.runner.model_runner import ModelRunner
 from attnserve.runner.offload_io import OffloadIO
 from attnserve.runner.parallel import (
@@ -95,6 +102,7 @@ class EngineParts:
     num_blocks: int
     kv_manager: KVCacheManager
     runner: ModelRunner
+    plan: EnginePlan  # what the groups, backends and bytes above were taken from
     workers: WorkerGroup | None = None  # tensor parallel, rank 0: the ranks it started
 
 
@@ -120,26 +128,6 @@ def _device_and_platform(config: EngineConfig) -> tuple[torch.device, Platform]:
         return device, get_platform(name)
     platform = current_platform()
     return torch.device("cuda" if platform.device_type == "cuda" else "cpu"), platform
-
-
-def _select_backends(arch: ModelArch, groups: list[KVCacheGroup], dtype: str, config: EngineConfig,
-                     platform: Platform) -> list[str]:
-    names = []
-    kinds = {s.kind for s in arch.layers}
-    for g in groups:
-        specs = [arch.layers[e.layer] for e in g.entries]
-        chosen = set()
-        for spec in specs:
-            features = spec.features | ({"streaming"} if config.cache.streaming_window else set())
-            req = BackendRequest(kind=spec.kind, head_size=spec.head_size, dtype=dtype,
-                                 kv_cache_dtype=g.entries[0].spec.dtype, block_size=config.cache.block_size,
-                                 features=features)
-            override = override_for(config.cache.attention_backend, spec.kind, kinds)
-            chosen.add(select_backend(req, platform, override).name)
-        if len(chosen) != 1:
-            raise ValueError(f"KV cache group {g.group_id} would need several backends: {sorted(chosen)}")
-        names.append(chosen.pop())
-    return names
 
 
 def _start_parallel(config: EngineConfig, arch: ModelArch, parallel: ParallelState | None
@@ -192,56 +180,32 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     from attnserve.tokenizer import load_tokenizer
 
     device, platform = _device_and_platform(config)
-    dtype = arch.dtype if config.model.dtype == "auto" else config.model.dtype
-    max_len = config.model.max_model_len or arch.max_position_embeddings or 2048
+    # each rank caches its own heads (tensor parallelism); the pool has as many blocks on every rank
+    plan = plan_engine(arch, config, platform)
+    max_len = plan.max_model_len
     if arch.max_position_embeddings and config.model.max_model_len and max_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_len, arch.max_position_embeddings)
     tokenizer = load_tokenizer(model_dir)
-
-    # each rank caches its own heads (tensor parallelism); the pool has as many blocks on every rank
-    rank_arch = shard_arch(arch, config.parallel.tensor_parallel_size)
-    entries = cache_entries(rank_arch, config.cache, dtype)
-    layout = plan_layout(entries)  # the paged groups; state layers get slots instead
-    groups = list(layout.groups)
-    state_groups = [KVCacheGroup(len(groups) + i, g.policy, g.window, g.entries)
-                    for i, g in enumerate(group_entries([e for e in entries if e.spec.policy is CachePolicy.STATE]))]
-    backend_names = _select_backends(arch, groups + state_groups, dtype, config, platform)
+    groups = list(plan.layout.groups)  # the paged groups; state layers get slots instead
+    backend_names = plan.backend_names  # raises when a group has no backend, or needs several
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
-    host_latents = plan_host_latents(config, arch, layout, max_len)  # None unless kv_offload_sparse_latents
+    host_latents = plan_host_latents(config, arch, plan.layout, max_len)  # None unless kv_offload_sparse_latents
     backends = wrap_backends(host_latents, groups, backends, device)
 
-    model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[dtype])
+    model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[plan.dtype])
     if parallel is not None:  # every rank loaded the whole checkpoint: keep this rank's shard
         shard_model(model, parallel)
-    # sized once the weights are in memory, from what is left
-    per_block = layout.bytes_per_block if host_latents is None else host_latents.device_bytes_per_block
-    needed = (config.scheduler.max_num_seqs * layout.blocks_for(max_len) + 1) * per_block
-    state_pool, state_bytes = None, 0
-    if state_groups:  # one slot per running sequence, as many snapshot slots for prefix hits
-        snapshots = config.scheduler.max_num_seqs if config.cache.enable_prefix_caching else 0
-        state_pool = StatePool(config.scheduler.max_num_seqs, snapshots)
-        state_bytes = state_pool.num_slots * sum(g.bytes_per_sequence_state for g in state_groups)
-    staging_bytes = 0 if host_latents is None else host_latents.staging_bytes
-    activations = None
-    if device.type in _PROFILED_DEVICES and parallel is None and host_latents is None:
-        # the largest step once on dummy tokens: its activation peak is kept out of the KV
-        # budget, and the kernels it launches are compiled now, not in a user's first step
-        activations = profile_step(model, arch, layout, state_groups, backends, config, device, max_len)
-    num_blocks = determine_num_blocks(layout, config.cache, device, needed, state_bytes + staging_bytes, per_block,
-                                      activations)
-    if parallel is not None:
-        num_blocks = min_over_ranks(num_blocks)
-    if host_latents is not None:
-        num_blocks = host_latents.host_blocks(num_blocks, layout.blocks_for(max_len), device)
+    num_blocks, state_pool = _size_cache(plan, config, model, backends, device, parallel, host_latents)
     kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching, state_pool)
     one_seq = kv.num_blocks_for_tokens(max_len)
     if one_seq > num_blocks - 1:
         raise ValueError(f"the KV cache holds {num_blocks - 1} blocks of {config.cache.block_size} tokens, "
                          f"but one sequence of max_model_len={max_len} needs {one_seq}; lower max_model_len "
                          f"or give the cache more memory")
+    state_groups = list(plan.state_groups)
     state_layers = frozenset(e.layer for g in state_groups for e in g.entries)
-    caches = allocate_kv_cache(model, layout, num_blocks, device, backends, state_layers,
+    caches = allocate_kv_cache(model, plan.layout, num_blocks, device, backends, state_layers,
                                host_entries=host_latents.entries if host_latents else frozenset())
     state_caches = allocate_state_cache(model, state_groups, state_pool.num_slots, device, backends) \
         if state_pool is not None else []
@@ -260,8 +224,37 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                          state_caches=state_caches, offload=offload, offload_io=offload_io,
                          broadcaster=workers.broadcaster if workers is not None else None)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
-                       dtype=dtype, platform=platform, groups=groups, backend_names=backend_names,
-                       num_blocks=num_blocks, kv_manager=kv, runner=runner, workers=workers)
+                       dtype=plan.dtype, platform=platform, groups=groups, backend_names=backend_names,
+                       num_blocks=num_blocks, kv_manager=kv, runner=runner, plan=plan, workers=workers)
+
+
+def _size_cache(plan: EnginePlan, config: EngineConfig, model: torch.nn.Module, backends: list[AttentionBackend],
+                device: torch.device, parallel: ParallelState | None, host_latents: HostLatentPlan | None
+                ) -> tuple[int, StatePool | None]:
+    """The block pool's size (the null block included) and the state slots, once the weights are
+    in memory, from what is left."""
+    max_len = plan.max_model_len
+    per_block = plan.bytes_per_block if host_latents is None else host_latents.device_bytes_per_block
+    needed = (config.scheduler.max_num_seqs * plan.layout.blocks_for(max_len) + 1) * per_block
+    state_pool, state_bytes = None, 0
+    if plan.state_groups:  # one slot per running sequence, as many snapshot slots for prefix hits
+        snapshots = config.scheduler.max_num_seqs if config.cache.enable_prefix_caching else 0
+        state_pool = StatePool(config.scheduler.max_num_seqs, snapshots)
+        state_bytes = state_pool.num_slots * plan.state_bytes_per_sequence
+    staging_bytes = 0 if host_latents is None else host_latents.staging_bytes
+    activations = None
+    if device.type in _PROFILED_DEVICES and parallel is None and host_latents is None:
+        # the largest step once on dummy tokens: its activation peak is kept out of the KV
+        # budget, and the kernels it launches are compiled now, not in a user's first step
+        activations = profile_step(model, plan.arch, plan.layout, list(plan.state_groups), backends, config,
+                                   device, max_len)
+    num_blocks = determine_num_blocks(plan.layout, config.cache, device, needed, state_bytes + staging_bytes,
+                                      per_block, activations)
+    if parallel is not None:
+        num_blocks = min_over_ranks(num_blocks)
+    if host_latents is not None:
+        num_blocks = host_latents.host_blocks(num_blocks, plan.layout.blocks_for(max_len), device)
+    return num_blocks, state_pool
 
 
 def _build_model(arch: ModelArch, model_dir: Path, config: EngineConfig, device: torch.device,

@@ -36,7 +36,6 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from attnserve import env
-    from attnserve.attention.registry import BackendSelectionError
     from attnserve.entrypoints.inspect import build_report, dumps, plot_kv_memory
     from attnserve.platforms import current_platform, get_platform
 
@@ -45,15 +44,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
         major, _, minor = args.compute_capability.partition(".")
         cc = (int(major), int(minor or 0))
     platform = get_platform(args.platform, cc) if args.platform else current_platform()
-    try:
-        report = build_report(args.model, platform, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                              attention_backend=args.attention_backend, memory_gib=args.memory,
-                              max_model_len=args.max_model_len, block_size=args.block_size,
-                              use_mla=not env.mla_disabled(),
-                              tensor_parallel_size=args.tensor_parallel_size)
-    except BackendSelectionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # a backend that does not fit (BackendSelectionError) is a ValueError: main prints it, exit 2
+    report = build_report(args.model, platform, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          attention_backend=args.attention_backend, memory_gib=args.memory,
+                          max_model_len=args.max_model_len, block_size=args.block_size,
+                          use_mla=not env.mla_disabled(), tensor_parallel_size=args.tensor_parallel_size)
     print(dumps(report) if args.json else report.render())
     if args.plot:
         plot_kv_memory(report, args.plot)

@@ -1,8 +1,10 @@
 """``attnserve inspect``: a model's mechanism, KV memory and backend choice, without weights.
 
-Builds an ``InspectReport`` from a ``config.json`` (the same ModelArch, KV cache groups and
-backend selection the engine uses), then renders it as a table, as JSON, or as a plot of KV
-memory against context length.
+Reads the ``config.json``, asks ``engine/plan.py`` for the engine's plan (the cache groups, the
+backend of every layer with the reasons for the ones passed over, the bytes per token and per
+sequence) and renders it as a table, as JSON, or as a plot of KV memory against context
+length. It groups nothing and selects no backend itself: what it shows is what the engine
+builds with the same options on the same platform.
 """
 
 from __future__ import annotations
@@ -11,32 +13,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from attnserve.arch import (
-    LayerKind,
-    LayerSpec,
-    MLADims,
-    ModelArch,
-    load_hf_config,
-    read_arch,
-    shard_arch,
-)
-from attnserve.attention.backend import BackendRequest
-from attnserve.attention.registry import (
-    BackendSelectionError,
-    Selection,
-    override_for,
-    rank_backends,
-    select_backend,
-)
-from attnserve.config import CacheConfig
-from attnserve.kvcache.groups import (
-    cache_entries,
-    group_entries,
-    layer_specs,
-    plan_layout,
-    sparse_latent_entries,
-)
-from attnserve.kvcache.spec import resolve_cache_dtype
+from attnserve.arch import LayerKind, MLADims, ModelArch, load_hf_config, read_arch
+from attnserve.config import EngineConfig
+from attnserve.engine.plan import EnginePlan, plan_engine
 from attnserve.platforms import Platform
 from attnserve.presets import resolve_config_path
 
@@ -230,76 +209,29 @@ _OFFLOAD = {"full": "prefix blocks", "sliding": "prefix blocks (a hit loads back
             "state": "state snapshots at block boundaries"}
 
 
-def _select(spec: LayerSpec, dtype: str, kv_dtype: str, cache: CacheConfig, platform: Platform,
-            override: str | None) -> Selection:
-    """The engine's choice for this layer; "none" (with every reason) when nothing fits yet.
-
-    Raises:
-        BackendSelectionError: only when the user named a backend that does not fit.
-    """
-    req = BackendRequest(kind=spec.kind, head_size=spec.head_size, dtype=dtype, kv_cache_dtype=kv_dtype,
-                         block_size=cache.block_size, features=spec.features)
-    if override:
-        return select_backend(req, platform, override)
-    passed = []
-    for name, reasons in rank_backends(req, platform):
-        if not reasons:
-            return Selection(name, tuple(passed))
-        passed.append((name, reasons))
-    return Selection("none", tuple(passed))
-
-
-def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
-                 attention_backend: str | None = None, memory_gib: float | None = None,
-                 max_model_len: int | None = None, block_size: int = 16, use_mla: bool = True,
-                 tensor_parallel_size: int = 1) -> InspectReport:
-    """Raises BackendSelectionError when ``attention_backend`` does not fit, with every reason,
-    and ValueError when the heads do not split over ``tensor_parallel_size`` ranks (whose
-    per-rank KV bytes, state and sequences the report then gives)."""
-    path = resolve_config_path(model)
-    arch = read_arch(load_hf_config(path), use_mla=use_mla)
-    rank_arch = arch
-    if tensor_parallel_size > 1:
-        rank_arch = shard_arch(arch, tensor_parallel_size)
-    model_dtype = arch.dtype if dtype == "auto" else dtype
-    cache = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
-    kv_dtype = resolve_cache_dtype(kv_cache_dtype, model_dtype)
-    entries = cache_entries(rank_arch, cache, model_dtype)
-    groups = group_entries(entries)
-    layout = plan_layout(entries)
-    max_len = max_model_len or arch.max_position_embeddings or 2048
-
-    rows: list[LayerGroupRow] = []
+def _rows(plan: EnginePlan) -> list[LayerGroupRow]:
+    """The plan's layers, one row per kind, cache, window and backend choice."""
+    own: dict[int, list] = {}
+    for e in plan.entries:
+        own.setdefault(e.layer, []).append(e)
     keyed: dict[tuple, list[int]] = {}
-    meta: dict[tuple, tuple] = {}
-    errors: list[str] = []
-    kinds = {s.kind for s in rank_arch.layers}
-    for spec in rank_arch.layers:
-        own = layer_specs(spec, model_dtype, cache)
-        comps = tuple((name, s.bytes_per_token) for name, s in own if s.bytes_per_token)
-        state = sum(s.bytes_per_sequence for _, s in own)
-        try:
-            override = override_for(attention_backend, spec.kind, kinds)
-            sel = _select(spec, model_dtype, kv_dtype, cache, platform, override)
-        except BackendSelectionError as e:
-            errors.append(str(e))
-            continue
-        kind = spec.kind.value
-        key = (kind, comps, state, spec.window, sel.name, sel.passed_over)
+    for spec, layer in zip(plan.rank_arch.layers, plan.layers, strict=True):
+        entries = own.get(spec.index, [])
+        comps = tuple((e.name, e.spec.bytes_per_token) for e in entries if e.spec.bytes_per_token)
+        state = sum(e.spec.bytes_per_sequence for e in entries)
+        key = (spec.kind, comps, state, spec.window, layer.backend.name, layer.backend.passed_over)
         keyed.setdefault(key, []).append(spec.index)
-        policy = "state" if spec.kind.is_state else kind if spec.kind.is_mla else (
-            "sliding" if spec.window else "full")
-        meta[key] = (comps, state, sel, _OFFLOAD[policy])
-    if errors:
-        unique = list(dict.fromkeys(errors))
-        raise BackendSelectionError("\n".join(unique))
-    for key, ids in keyed.items():
-        comps, state, sel, offload = meta[key]
-        rows.append(LayerGroupRow(kind=key[0], num_layers=len(ids), layer_ids=tuple(ids),
+    rows = []
+    for (kind, comps, state, window, backend, passed_over), ids in keyed.items():
+        policy = "state" if kind.is_state else kind.value if kind.is_mla else ("sliding" if window else "full")
+        rows.append(LayerGroupRow(kind=kind.value, num_layers=len(ids), layer_ids=tuple(ids),
                                   bytes_per_token_per_layer=sum(b for _, b in comps), components=comps,
-                                  state_bytes_per_sequence_per_layer=state, window=key[3], backend=sel.name,
-                                  passed_over=sel.passed_over, offload=offload))
-    host_latents = sparse_latent_entries(rank_arch, entries)
+                                  state_bytes_per_sequence_per_layer=state, window=window, backend=backend,
+                                  passed_over=passed_over, offload=_OFFLOAD[policy]))
+    return rows
+
+
+def _notes(arch: ModelArch, use_mla: bool) -> list[str]:
     notes = []
     if not use_mla and arch.is_mla:
         notes.append("MLA disabled: sparse-MLA layers keep their latent cache")
@@ -309,30 +241,34 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
                      "would add 1/block_size of the K/V")
     notes.append("--kv-offloading-size GiB (host memory) or --kv-offloading-backend disk keeps evicted "
                  "prefix blocks (and state snapshots) for reuse; the offload column says what each holds")
+    return notes
+
+
+def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                 attention_backend: str | None = None, memory_gib: float | None = None,
+                 max_model_len: int | None = None, block_size: int = 16, use_mla: bool = True,
+                 tensor_parallel_size: int = 1) -> InspectReport:
+    """The engine's plan for ``model`` with these options, ready to render.
+
+    Raises BackendSelectionError when ``attention_backend`` does not fit, with every reason of
+    every layer, and ValueError when the heads do not split over ``tensor_parallel_size`` ranks
+    (whose per-rank KV bytes, state and sequences the report then gives)."""
+    path = resolve_config_path(model)
+    arch = read_arch(load_hf_config(path), use_mla=use_mla)
+    config = EngineConfig.from_kwargs(
+        str(path.parent), dtype=dtype, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
+        max_model_len=max_model_len or None, block_size=block_size, tensor_parallel_size=tensor_parallel_size)
+    plan = plan_engine(arch, config, platform)
+    plan.check_forced()
     return InspectReport(
         name=path.stem.replace("__", "/") if path.name != "config.json" else str(path.parent),
-        arch=arch, platform=platform, dtype=model_dtype, kv_cache_dtype=kv_dtype, block_size=block_size,
-        max_model_len=max_len, rows=rows,
-        kv_bytes_per_token=sum(g.bytes_per_token for g in groups),
-        state_bytes_per_sequence=sum(g.bytes_per_sequence_state for g in groups),
-        bytes_per_sequence=_sequence_bytes(entries, max_len),
-        bytes_per_sequence_no_window=_full_rate_bytes(layout, max_len) + sum(
-            g.bytes_per_sequence_state for g in groups),
-        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes,
-        tensor_parallel_size=tensor_parallel_size,
-        host_latent_bytes_per_token=sum(e.spec.bytes_per_token for e in host_latents) if host_latents else None)
-
-
-def _sequence_bytes(entries, num_tokens: int) -> int:
-    """What the allocator would hold for one sequence: paged blocks (windows applied) + state."""
-    layout = plan_layout(entries)
-    state = sum(e.spec.bytes_per_sequence for e in entries)
-    return layout.sequence_bytes(num_tokens) + state
-
-
-def _full_rate_bytes(layout, num_tokens: int) -> int:
-    blocks = -(-num_tokens // layout.groups[0].block_size) if layout.groups else 0
-    return blocks * layout.groups[0].block_size * layout.bytes_per_token if layout.groups else 0
+        arch=arch, platform=platform, dtype=plan.dtype, kv_cache_dtype=plan.kv_cache_dtype,
+        block_size=plan.block_size, max_model_len=plan.max_model_len, rows=_rows(plan),
+        kv_bytes_per_token=plan.kv_bytes_per_token, state_bytes_per_sequence=plan.state_bytes_per_sequence,
+        bytes_per_sequence=plan.bytes_per_sequence, bytes_per_sequence_no_window=plan.bytes_per_sequence_no_window,
+        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=_notes(arch, use_mla),
+        tensor_parallel_size=plan.tensor_parallel_size,
+        host_latent_bytes_per_token=plan.host_latent_bytes_per_token)
 
 
 # --- the plot -----------------------------------------------------------------------------
@@ -372,7 +308,8 @@ def plot_kv_memory(report: InspectReport, path: str) -> None:
     except ImportError as e:
         raise RuntimeError("--plot needs matplotlib: pip install 'attnserve[plot]'") from e
     arch = report.arch
-    cache = CacheConfig(block_size=report.block_size, kv_cache_dtype=report.kv_cache_dtype)
+    config = EngineConfig.from_kwargs(report.name, dtype=report.dtype, kv_cache_dtype=report.kv_cache_dtype,
+                                      block_size=report.block_size)
     max_len = max(report.max_model_len, 1024)
     xs = []
     n = 1024
@@ -390,8 +327,8 @@ def plot_kv_memory(report: InspectReport, path: str) -> None:
             curves[f"as {variant}" + (" (8 KV heads)" if variant == "GQA" else "")] = v
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, a in curves.items():
-        entries = cache_entries(a, cache, report.dtype)
-        ax.plot(xs, [_sequence_bytes(entries, x) / GIB for x in xs], marker="o", ms=3, label=label)
+        plan = plan_engine(a, config, report.platform)  # the bytes only: no backend is asked to fit
+        ax.plot(xs, [plan.sequence_bytes(x) / GIB for x in xs], marker="o", ms=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")

@@ -1,0 +1,220 @@
+"""The engine's plan: model, config and platform -> cache groups, a backend per group, bytes.
+
+``plan_engine`` is pure: no tensors, no allocation, no device query beyond what the
+``Platform`` record says. It reads the cache entries of one tensor-parallel rank, groups them
+(``kvcache/groups.py``), chooses every layer's backend through ``attention/registry.py`` (with
+every reason for the ones passed over) and adds up the bytes a token and a sequence hold. The
+engine (``engine/builder.py``) allocates from the plan and ``attnserve inspect``
+(``entrypoints/inspect.py``) renders it; neither groups layers nor selects a backend itself,
+so what inspect shows is what the engine runs.
+
+It is not the allocator: how many blocks fit needs the device's memory
+(``runner/cache_allocation.py``), and the host-resident latents' staging needs the scheduler
+limits (``runner/host_latents.py``). A plan may hold a layer that no backend runs ("none",
+with the registry's error): inspect shows it, the engine raises it (``EnginePlan.backend_names``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnserve.arch import LayerKind, LayerSpec, ModelArch, shard_arch
+from attnserve.attention.backend import BackendRequest
+from attnserve.attention.registry import (
+    BackendSelectionError,
+    override_for,
+    rank_backends,
+    select_backend,
+)
+from attnserve.config import EngineConfig
+from attnserve.kvcache.groups import (
+    CacheEntry,
+    KVCacheGroup,
+    KVCacheLayout,
+    cache_entries,
+    group_entries,
+    plan_layout,
+    sparse_latent_entries,
+)
+from attnserve.kvcache.spec import CachePolicy, resolve_cache_dtype
+from attnserve.platforms import Platform
+
+__all__ = ["BackendChoice", "EnginePlan", "GroupPlan", "LayerPlan", "plan_engine"]
+
+PassedOver = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendChoice:
+    """A layer's backend: the one ``attention_backend`` names, or the first on the platform's
+    list that fits; "none" when the named one does not fit or nothing does."""
+
+    name: str
+    passed_over: PassedOver = ()  # the backends ranked before ``name``, each with every reason
+    forced: bool = False  # named by ``attention_backend`` (or the name is not a backend)
+    error: str | None = None  # the registry's error when ``name`` is "none"
+    error_reasons: tuple[str, ...] = ()
+
+    def raise_error(self) -> None:
+        """Raises the registry's BackendSelectionError when this choice has none."""
+        if self.error is not None:
+            err = BackendSelectionError(self.error)
+            err.reasons = self.error_reasons
+            raise err
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    layer: int
+    kind: LayerKind
+    backend: BackendChoice
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """A KV cache group (paged, or the state layers' slots) and its layers' backend choices."""
+
+    group: KVCacheGroup
+    choices: tuple[BackendChoice, ...]  # of its layers, each distinct choice once, in entry order
+
+    @property
+    def backend(self) -> BackendChoice:
+        """The group's one backend, as the engine runs it.
+
+        Raises:
+            BackendSelectionError: a layer of the group has none (the first, in entry order).
+            ValueError: its layers chose different backends.
+        """
+        for choice in self.choices:
+            choice.raise_error()
+        names = {c.name for c in self.choices}
+        if len(names) != 1:
+            raise ValueError(f"KV cache group {self.group.group_id} would need several backends: {sorted(names)}")
+        return self.choices[0]
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    arch: ModelArch  # as read from config.json
+    rank_arch: ModelArch  # one tensor-parallel rank's share (``arch`` itself for one rank)
+    platform: Platform
+    dtype: str  # the model's
+    kv_cache_dtype: str  # resolved: fp8, or a float dtype
+    block_size: int
+    max_model_len: int
+    tensor_parallel_size: int
+    entries: tuple[CacheEntry, ...]  # every cache entry of ``rank_arch``, in layer order
+    layout: KVCacheLayout  # the paged groups and the slots they share
+    state_groups: tuple[KVCacheGroup, ...]  # numbered after the paged groups
+    groups: tuple[GroupPlan, ...]  # the paged groups, then the state groups, with backends
+    layers: tuple[LayerPlan, ...]  # one per layer of ``rank_arch``
+    kv_bytes_per_token: int  # over every layer, sliding ones at their full rate
+    state_bytes_per_sequence: int
+    bytes_per_sequence: int  # one sequence of max_model_len: paged blocks (windows applied) + state
+    bytes_per_sequence_no_window: int  # the same with every sliding layer at its full rate
+    host_latent_entries: tuple[CacheEntry, ...]  # sparse-MLA latents (kv_offload_sparse_latents)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block id costs over every paged group (every entry on the device)."""
+        return self.layout.bytes_per_block
+
+    @property
+    def host_latent_bytes_per_token(self) -> int | None:
+        """Per token, the latent rows host-resident latents move to host memory; None without DSA."""
+        if not self.host_latent_entries:
+            return None
+        return sum(e.spec.bytes_per_token for e in self.host_latent_entries)
+
+    def sequence_bytes(self, num_tokens: int) -> int:
+        """Bytes one sequence of ``num_tokens`` holds at most: paged blocks (windows applied) + state."""
+        return self.layout.sequence_bytes(num_tokens) + self.state_bytes_per_sequence
+
+    @property
+    def backend_names(self) -> list[str]:
+        """One backend per group, as the engine loads them; raises as ``GroupPlan.backend``."""
+        return [g.backend.name for g in self.groups]
+
+    def check_forced(self) -> None:
+        """Raises one BackendSelectionError with the unique errors of every layer the named
+        ``attention_backend`` does not fit, in layer order (what ``inspect`` reports)."""
+        errors = [lp.backend.error for lp in self.layers if lp.backend.forced and lp.backend.error]
+        if errors:
+            raise BackendSelectionError("\n".join(dict.fromkeys(errors)))
+
+
+def plan_engine(arch: ModelArch, config: EngineConfig, platform: Platform) -> EnginePlan:
+    """The plan of ``arch`` served with ``config`` on ``platform``.
+
+    Raises:
+        ValueError: heads that do not split over ``tensor_parallel_size`` ranks, or a cache
+            the model's layers cannot have (StreamingLLM on other than full layers, fp8 MLA
+            latents of a rank that is not a multiple of 128). Backend errors are kept in the
+            plan, not raised (``EnginePlan.backend_names``, ``EnginePlan.check_forced``).
+    """
+    tp = config.parallel.tensor_parallel_size
+    rank_arch = shard_arch(arch, tp)
+    dtype = arch.dtype if config.model.dtype == "auto" else config.model.dtype
+    max_len = config.model.max_model_len or arch.max_position_embeddings or 2048
+    entries = cache_entries(rank_arch, config.cache, dtype)
+    layout = plan_layout(entries)  # the paged groups; state layers get slots instead
+    state_entries = [e for e in entries if e.spec.policy is CachePolicy.STATE]
+    state_groups = tuple(KVCacheGroup(len(layout.groups) + i, g.policy, g.window, g.entries)
+                         for i, g in enumerate(group_entries(state_entries)))
+    kv_dtype = resolve_cache_dtype(config.cache.kv_cache_dtype, dtype)
+    layers = _choose_backends(rank_arch, config, platform, dtype, kv_dtype)
+    all_groups = (*layout.groups, *state_groups)
+    state = sum(e.spec.bytes_per_sequence for e in entries)
+    return EnginePlan(
+        arch=arch, rank_arch=rank_arch, platform=platform, dtype=dtype, kv_cache_dtype=kv_dtype,
+        block_size=config.cache.block_size, max_model_len=max_len, tensor_parallel_size=tp,
+        entries=tuple(entries), layout=layout, state_groups=state_groups,
+        groups=tuple(_group_plan(g, layers) for g in all_groups), layers=layers,
+        kv_bytes_per_token=sum(g.bytes_per_token for g in all_groups),
+        state_bytes_per_sequence=state,
+        bytes_per_sequence=layout.sequence_bytes(max_len) + state,
+        bytes_per_sequence_no_window=_full_rate_bytes(layout, max_len) + state,
+        host_latent_entries=tuple(sparse_latent_entries(rank_arch, entries)),
+    )
+
+
+def _choose_backends(arch: ModelArch, config: EngineConfig, platform: Platform, dtype: str,
+                     kv_dtype: str) -> tuple[LayerPlan, ...]:
+    """Every layer's backend choice; the engine adds the "streaming" feature in StreamingLLM mode."""
+    kinds = {s.kind for s in arch.layers}
+    extra = frozenset({"streaming"}) if config.cache.streaming_window else frozenset()
+    out = []
+    for spec in arch.layers:
+        req = BackendRequest(kind=spec.kind, head_size=spec.head_size, dtype=dtype, kv_cache_dtype=kv_dtype,
+                             block_size=config.cache.block_size, features=spec.features | extra)
+        out.append(LayerPlan(spec.index, spec.kind, _choose(spec, req, platform, config.cache.attention_backend,
+                                                             kinds)))
+    return tuple(out)
+
+
+def _choose(spec: LayerSpec, req: BackendRequest, platform: Platform, named: str | None,
+            kinds: set[LayerKind]) -> BackendChoice:
+    """The registry's choice for one layer; an error is kept as "none" with every reason."""
+    try:
+        override = override_for(named, spec.kind, kinds)
+    except BackendSelectionError as e:  # ``named`` is no backend's name
+        return BackendChoice("none", forced=True, error=str(e), error_reasons=e.reasons)
+    try:
+        selection = select_backend(req, platform, override)
+    except BackendSelectionError as e:
+        passed = () if override else tuple(rank_backends(req, platform))
+        return BackendChoice("none", passed, forced=bool(override), error=str(e), error_reasons=e.reasons)
+    return BackendChoice(selection.name, selection.passed_over, selection.forced)
+
+
+def _group_plan(group: KVCacheGroup, layers: tuple[LayerPlan, ...]) -> GroupPlan:
+    choices = [layers[e.layer].backend for e in group.entries]
+    return GroupPlan(group, tuple(dict.fromkeys(choices)))
+
+
+def _full_rate_bytes(layout: KVCacheLayout, num_tokens: int) -> int:
+    """One sequence's paged bytes with every sliding layer at its full rate."""
+    if not layout.groups:
+        return 0
+    block = layout.groups[0].block_size
+    return -(-num_tokens // block) * block * layout.bytes_per_token
