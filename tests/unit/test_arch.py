@@ -6,6 +6,7 @@ under test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -291,6 +292,13 @@ def test_unbuildable_configs_still_read():
     assert "use_bidirectional_attention" in a.unsupported
     assert read_arch(_tiny("gpt2", n_embd=64, n_head=8, n_layer=2, add_cross_attention=True)).unsupported
     assert arch("mosaicml/mpt-7b-instruct").unsupported is None
+
+
+def test_the_raw_config_stays_in_arch():
+    a = arch("deepseek-ai/DeepSeek-V3")
+    assert "hf_config" not in {f.name for f in dataclasses.fields(ModelArch)}
+    assert a.quantization_config["quant_method"] == "fp8"
+    assert arch("meta-llama/Llama-3.1-8B-Instruct").quantization_config is None
 
 
 def test_one_table_of_families():

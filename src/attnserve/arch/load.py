@@ -76,7 +76,6 @@ def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
         options=built.options,
         unsupported=built.unsupported,
         quantization_config=MappingProxyType(dict(quant)) if isinstance(quant, Mapping) else quant,
-        hf_config=MappingProxyType(dict(cfg)),
     )
 
 

@@ -294,7 +294,6 @@ class ModelArch:
     # the checkpoint's quantization_config as written (models/quantized.py reads it)
     quantization_config: Mapping[str, Any] | None = field(default=None, compare=False, hash=False,
                                                            repr=False)
-    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # --- derived views -------------------------------------------------------------------
     @property
