@@ -90,8 +90,8 @@ def minimax(r: Reader) -> Built:
     moe = moe_spec(r, experts=("num_local_experts", "num_experts"), inter=("intermediate_size",))
     opts = MiniMaxOptions(lightning=DeepNorm(*deepnorm_factors(r.cfg, True)),
                           full=DeepNorm(*deepnorm_factors(r.cfg, False)))
-    return Built(layers, moe=moe, norm_eps=r.float("rms_norm_eps", default=1e-5), hidden_act=r.get("hidden_act", default="silu"),
-                 options=opts)
+    return Built(layers, moe=moe, norm_eps=r.float("rms_norm_eps", default=1e-5),  # MiniMaxConfig: 1e-5
+                 hidden_act=r.get("hidden_act", default="silu"), options=opts)
 
 
 def jamba(r: Reader) -> Built:

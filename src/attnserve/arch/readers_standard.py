@@ -48,7 +48,7 @@ __all__ = ["bloom", "falcon", "gemma", "gemma2", "gemma3", "glm4_moe", "gpt2", "
 def _llama_facts(r: Reader) -> dict[str, Any]:
     """llama, mistral, qwen2, qwen3, phi3, starcoder2: biases, q/k norm, the MLP and norm kinds."""
     inter = r.int("intermediate_size", default=None)
-    if r.model_type == "starcoder2":  # LayerNorm with biases, a plain GELU MLP
+    if r.model_type == "starcoder2":  # LayerNorm with biases, a plain GELU MLP; eps 1e-5 by default
         bias = r.flag("use_bias", True)
         opts = LlamaOptions(qkv_bias=bias, o_bias=bias, mlp_bias=bias, gated_mlp=False, layer_norm=True)
         return dict(norm_eps=r.float("norm_epsilon", default=1e-5), intermediate_size=inter, options=opts,
@@ -116,8 +116,9 @@ def gpt_oss(r: Reader) -> Built:
     opts = GptOssOptions(attention_bias=r.flag("attention_bias", True),
                          swiglu_limit=r.float("swiglu_limit", default=7.0),
                          swiglu_alpha=r.float("swiglu_alpha", default=1.702))
-    return Built(standard_layers(r, pattern_windows(r, 2), sinks=True, moe_layers=lambda i: True), moe=moe,
-                 norm_eps=r.float("rms_norm_eps", default=1e-5), hidden_act=r.get("hidden_act", default="silu"), options=opts)
+    layers = standard_layers(r, pattern_windows(r, 2), sinks=True, moe_layers=lambda i: True)
+    return Built(layers, moe=moe, norm_eps=r.float("rms_norm_eps", default=1e-5),  # GptOssConfig: 1e-5
+                 hidden_act=r.get("hidden_act", default="silu"), options=opts)
 
 
 # --- Gemma --------------------------------------------------------------------------------
