@@ -313,3 +313,21 @@ def test_one_table_of_families():
     for name in EXPECTED:
         a = arch(name)
         assert get_model_class(a).__name__ == FAMILIES[a.model_type].model.partition(":")[2]
+
+
+def test_layers_past_the_config_are_skipped_only_where_checkpoints_carry_mtp():
+    """A tensor of a layer the config does not have is DeepSeek's MTP layer (skipped) but, for
+    Llama, a config that does not fit its checkpoint: an error that names the tensor."""
+    from attnserve.models.registry import get_model_class
+
+    llama = read_arch(dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
+    model = get_model_class(llama)(llama)
+    assert model.rename("model.layers.0.mlp.down_proj.weight") == "layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight.*1 layers"):
+        model.rename("model.layers.1.mlp.down_proj.weight")
+    v3 = read_arch(dict(model_type="deepseek_v3", hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                        num_hidden_layers=1, num_attention_heads=2, vocab_size=32, kv_lora_rank=16,
+                        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1))
+    assert get_model_class(v3)(v3).rename("model.layers.1.mlp.down_proj.weight") is None

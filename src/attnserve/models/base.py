@@ -9,9 +9,10 @@ applies the family's logit scale and final soft-cap (``ModelArch.logit_scale``,
 share: tensors never loaded (a family's ``skipped_prefixes``: vision towers, MTP modules), the
 prefix stripped (``model.``, ``transformer.``, ...), module names that differ from the
 skeleton's (``h.`` -> ``layers.``, ...), RoPE buffers, a tied ``lm_head.weight``, and layers past
-``num_layers`` (multi-token prediction) skipped; inside a layer, each module holding fused
-projections says where its checkpoint tensors go (``rename_in``: q/k/v -> ``qkv_proj`` shards,
-gate/up -> ``gate_up_proj`` shards, stacked experts, ...).
+``num_layers`` skipped where the family's checkpoints carry multi-token-prediction layers (an
+error elsewhere); inside a layer, each module holding fused projections says where its
+checkpoint tensors go (``rename_in``: q/k/v -> ``qkv_proj`` shards, gate/up -> ``gate_up_proj``
+shards, stacked experts, ...).
 
 A family file keeps what differs: its decoder layer, attention or MLP blocks that really differ,
 the embedding or final-norm step where it differs (``embed``, ``final_norm``), its checkpoint
@@ -56,6 +57,9 @@ class CausalLM(nn.Module):
     stripped_prefixes: tuple[str, ...] = ("model.",)
     renamed_modules: tuple[tuple[str, str], ...] = ()
     renamed_layer_modules: tuple[tuple[str, str], ...] = ()
+    # the family's checkpoints may hold layers past num_layers (multi-token prediction), which
+    # are skipped; elsewhere such a tensor is an error (a config that does not fit its weights)
+    extra_layers_are_mtp: bool = False
 
     def __init__(self, arch: ModelArch, layer: Callable[[LayerSpec], nn.Module], norm: nn.Module):
         """``layer`` builds the decoder layer of one ``LayerSpec``; ``norm`` is the final norm."""
@@ -108,6 +112,7 @@ class CausalLM(nn.Module):
         """A checkpoint name -> its parameter, (parameter, shard), or None to skip it."""
         if name.startswith(self.skipped_prefixes) or "rotary_emb" in name:
             return None
+        original = name
         name = _swap_prefix(name, tuple((p, "") for p in self.stripped_prefixes))
         name = _swap_prefix(name, self.renamed_modules)
         if name == "lm_head.weight" and self.arch.tie_word_embeddings:
@@ -117,6 +122,9 @@ class CausalLM(nn.Module):
             return name
         layer = int(m.group(1))
         if layer >= self.arch.num_layers:
+            if not self.extra_layers_are_mtp:
+                raise ValueError(f"checkpoint tensor '{original}' belongs to layer {layer}, but the config has "
+                                 f"{self.arch.num_layers} layers")
             return None  # multi-token-prediction layers after the last decoder layer
         return prefixed(m.group(0), self.rename_layer(layer, name[m.end() :]))
 

@@ -54,5 +54,7 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekForCausalLM(CausalLM):
+    extra_layers_are_mtp = True  # checkpoints keep their MTP layers after the last one
+
     def __init__(self, arch: ModelArch):
         super().__init__(arch, lambda s: DeepseekDecoderLayer(arch, s), RMSNorm(arch.hidden_size, eps=arch.norm_eps))

@@ -79,6 +79,7 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssForCausalLM(CausalLM):
+    extra_layers_are_mtp = True  # checkpoints keep their MTP layers after the last one
     renamed_layer_modules = (("self_attn.sinks", "self_attn.attn.sinks"), ("mlp.router.", "mlp.gate."))
 
     def __init__(self, arch: ModelArch):

@@ -53,6 +53,7 @@ class JambaDecoderLayer(nn.Module):
 
 
 class JambaForCausalLM(CausalLM):
+    extra_layers_are_mtp = True  # checkpoints keep their MTP layers after the last one
     renamed_modules = (("final_layernorm.", "norm."),)
     renamed_layer_modules = (("feed_forward.router.", "feed_forward.gate."),)
 

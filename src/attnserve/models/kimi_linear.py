@@ -49,6 +49,7 @@ class KimiLinearDecoderLayer(nn.Module):
 
 
 class KimiLinearForCausalLM(CausalLM):
+    extra_layers_are_mtp = True  # checkpoints keep their MTP layers after the last one
     renamed_layer_modules = (("block_sparse_moe.", "mlp."),)  # checkpoints use either name
 
     def __init__(self, arch: ModelArch):

@@ -59,6 +59,8 @@ class MiniMaxDecoderLayer(nn.Module):
 
 
 class MiniMaxForCausalLM(CausalLM):
+    extra_layers_are_mtp = True  # checkpoints keep their MTP layers after the last one
+
     def __init__(self, arch: ModelArch):
         if arch.moe is None:
             raise ValueError(f"{arch.model_type}: MiniMax needs a MoE spec (num_local_experts)")

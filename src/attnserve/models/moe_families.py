@@ -58,6 +58,7 @@ class MoEDecoderLayer(nn.Module):
 
 
 class MoEForCausalLM(CausalLM):
+    extra_layers_are_mtp = True  # checkpoints keep their MTP layers after the last one
     renamed_layer_modules = (("block_sparse_moe.", "mlp."),)  # Mixtral's name of the MoE block
 
     def __init__(self, arch: ModelArch):

@@ -130,6 +130,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextForCausalLM(CausalLM):
+    extra_layers_are_mtp = True  # checkpoints keep their MTP layers after the last one
     skipped_prefixes = ("mtp.", "model.visual.", "visual.")
     stripped_prefixes = ("model.language_model.", "model.")
 
