@@ -19,7 +19,7 @@ import torch
 
 from attnserve import SamplingParams
 from attnserve.arch import read_arch
-from attnserve.models.falcon import deinterleave_qkv
+from attnserve.models.base import deinterleave_qkv
 from tests.models.parity import (
     VOCAB,
     build_hf_model,

@@ -6,11 +6,26 @@ under test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from attnserve.arch import ArchError, LayerKind, Mechanism, ModelArch, read_arch
+from attnserve.arch import (
+    FAMILIES,
+    ArchError,
+    DeepNorm,
+    GDNDims,
+    GptOssOptions,
+    KDADims,
+    LayerKind,
+    LightningDims,
+    LlamaOptions,
+    MambaDims,
+    Mechanism,
+    ModelArch,
+    read_arch,
+)
 from attnserve.presets import HF_CONFIG_DIR, preset_names, resolve_config_path
 
 
@@ -229,3 +244,90 @@ def test_glm4_moe_partial_rotary_and_shared_expert():
 def test_bad_configs_name_the_field(cfg, match):
     with pytest.raises(ArchError, match=match):
         read_arch(cfg)
+
+
+def test_family_facts_carry_each_familys_default():
+    """norm epsilon, activation and MLP width as each family's model reads them when the config
+    leaves them out (transformers' config class of that family)."""
+    llama = read_arch(_tiny("llama", hidden_size=64, num_attention_heads=4))
+    assert (llama.norm_eps, llama.hidden_act, llama.intermediate_size) == (1e-6, "silu", None)
+    star = read_arch(_tiny("starcoder2", hidden_size=64, num_attention_heads=4, intermediate_size=96))
+    assert (star.norm_eps, star.hidden_act, star.intermediate_size) == (1e-5, "gelu_pytorch_tanh", 96)
+    assert star.options == LlamaOptions(qkv_bias=True, o_bias=True, mlp_bias=True, gated_mlp=False,
+                                        layer_norm=True)
+    qwen2 = read_arch(_tiny("qwen2", hidden_size=64, num_attention_heads=4, attention_bias=True))
+    assert qwen2.options == LlamaOptions(qkv_bias=True, o_bias=False)
+    oss = arch("openai/gpt-oss-20b", rms_norm_eps=None, swiglu_limit=None)
+    assert oss.norm_eps == 1e-5 and oss.options == GptOssOptions(True, 7.0, 1.702)
+    gemma = read_arch(_tiny("gemma", hidden_size=64, num_attention_heads=4, hidden_act="gelu"))
+    assert (gemma.hidden_act, gemma.final_softcap, gemma.tie_word_embeddings) == ("gelu_pytorch_tanh", None, True)
+    gemma2 = arch("google/gemma-2-9b")
+    assert gemma2.final_softcap == 30.0 and arch("google/gemma-2-9b", final_logit_softcapping=None).final_softcap is None
+    falcon = read_arch(_tiny("falcon", hidden_size=64, num_attention_heads=8))
+    assert (falcon.norm_eps, falcon.hidden_act, falcon.intermediate_size) == (1e-5, "gelu", 256)
+    gpt2, big = arch("openai-community/gpt2"), read_arch(_tiny("gpt_bigcode", n_embd=64, n_head=8, n_layer=2))
+    assert (gpt2.hidden_act, big.hidden_act, big.intermediate_size) == ("gelu_new", "gelu_pytorch_tanh", 256)
+    mpt = arch("mosaicml/mpt-7b-instruct", logit_scale="inv_sqrt_d_model")
+    assert (mpt.hidden_act, mpt.intermediate_size, mpt.logit_scale) == ("gelu", 4 * 4096, 4096 ** -0.5)
+
+
+def test_state_mixer_constants_and_hybrid_defaults():
+    jamba = arch("ai21labs/AI21-Jamba-1.5-Mini")
+    assert jamba.layers[0].mixer == MambaDims(dt_rank=256, conv_bias=True, proj_bias=False, norm_eps=1e-6)
+    qn = arch("Qwen/Qwen3-Next-80B-A3B-Instruct")
+    assert qn.layers[0].mixer == GDNDims(num_k_heads=16, conv_kernel=4, norm_eps=1e-6)
+    kimi = arch("moonshotai/Kimi-Linear-48B-A3B-Instruct", rms_norm_eps=None)
+    assert kimi.norm_eps == 1e-5 and kimi.layers[0].mixer == KDADims(norm_eps=1e-6)
+    assert all(s.rope is None for s in kimi.layers if s.kind is LayerKind.MLA)  # mla_use_nope
+    minimax = read_arch(_tiny("minimax", hidden_size=64, num_attention_heads=4, num_local_experts=2,
+                              num_experts_per_tok=1, intermediate_size=32, linear_attn_beta_factor=0.5))
+    assert minimax.norm_eps == 1e-5 and minimax.layers[1].mixer == LightningDims(block_size=256)
+    assert minimax.options.lightning == DeepNorm(beta_attn=0.5) and minimax.options.full == DeepNorm()
+
+
+def test_unbuildable_configs_still_read():
+    """What the model cannot run is said on the arch (``inspect`` still reads the config); the
+    model refuses it when built."""
+    a = read_arch(_tiny("gemma3_text", hidden_size=64, num_attention_heads=4, use_bidirectional_attention=True))
+    assert "use_bidirectional_attention" in a.unsupported
+    assert read_arch(_tiny("gpt2", n_embd=64, n_head=8, n_layer=2, add_cross_attention=True)).unsupported
+    assert arch("mosaicml/mpt-7b-instruct").unsupported is None
+
+
+def test_the_raw_config_stays_in_arch():
+    a = arch("deepseek-ai/DeepSeek-V3")
+    assert "hf_config" not in {f.name for f in dataclasses.fields(ModelArch)}
+    assert a.quantization_config["quant_method"] == "fp8"
+    assert arch("meta-llama/Llama-3.1-8B-Instruct").quantization_config is None
+
+
+def test_one_table_of_families():
+    from attnserve.models.registry import get_model_class, supported_model_types
+
+    assert "qwen2_moe" in FAMILIES and "qwen2_moe" not in supported_model_types()
+    assert sorted(t for t, f in FAMILIES.items() if f.tied_by_default) == [
+        "bloom", "falcon", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_bigcode", "mpt"]
+    planned = sorted(t for t, f in FAMILIES.items() if f.shard_plan is not None)
+    assert planned == ["deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2", "llama", "mistral",
+                       "phi3", "qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2"]
+    for name in EXPECTED:
+        a = arch(name)
+        assert get_model_class(a).__name__ == FAMILIES[a.model_type].model.partition(":")[2]
+
+
+def test_layers_past_the_config_are_skipped_only_where_checkpoints_carry_mtp():
+    """A tensor of a layer the config does not have is DeepSeek's MTP layer (skipped) but, for
+    Llama, a config that does not fit its checkpoint: an error that names the tensor."""
+    from attnserve.models.registry import get_model_class
+
+    llama = read_arch(dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
+    model = get_model_class(llama)(llama)
+    assert model.rename("model.layers.0.mlp.down_proj.weight") == "layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight.*1 layers"):
+        model.rename("model.layers.1.mlp.down_proj.weight")
+    v3 = read_arch(dict(model_type="deepseek_v3", hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                        num_hidden_layers=1, num_attention_heads=2, vocab_size=32, kv_lora_rank=16,
+                        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1))
+    assert get_model_class(v3)(v3).rename("model.layers.1.mlp.down_proj.weight") is None

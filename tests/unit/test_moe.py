@@ -484,7 +484,7 @@ def test_gpt_oss_loads_mxfp4_experts():
 
 
 def test_moe_family_rename_skips_mtp_layers():
-    from attnserve.models.moe_families import MoEForCausalLM, rename_decoder_weight
+    from attnserve.models.moe_families import MoEForCausalLM
 
     cfg = _hf_config(
         "glm4_moe",
@@ -498,16 +498,16 @@ def test_moe_family_rename_skips_mtp_layers():
         moe_intermediate_size=16,
     )
     model = MoEForCausalLM(read_arch(cfg.to_dict()))
-    assert rename_decoder_weight(model, "model.layers.2.mlp.gate.weight") is None  # the MTP layer
-    assert rename_decoder_weight(model, "model.layers.0.mlp.up_proj.weight") == (
+    assert model.rename("model.layers.2.mlp.gate.weight") is None  # the MTP layer
+    assert model.rename("model.layers.0.mlp.up_proj.weight") == (
         "layers.0.mlp.gate_up_proj.weight",
         1,
     )
-    assert rename_decoder_weight(model, "model.layers.1.mlp.experts.3.down_proj.weight") == (
+    assert model.rename("model.layers.1.mlp.experts.3.down_proj.weight") == (
         "layers.1.mlp.experts.w2",
         (3, "down"),
     )
-    assert rename_decoder_weight(model, "model.layers.1.self_attn.k_proj.bias") == (
+    assert model.rename("model.layers.1.self_attn.k_proj.bias") == (
         "layers.1.self_attn.qkv_proj.bias",
         "k",
     )

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnserve.arch.families import deepnorm_factors
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.attention.state.base import build_state_metadata
 from attnserve.core.forward_context import ForwardContext, forward_context
 from attnserve.layers.gdn import ungroup_rows
-from attnserve.models.minimax import deepnorm_factors
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import iter_safetensors
 from tests.models.test_parity_hybrid import HYBRID, SteppedModel, build_hybrid

@@ -1,8 +1,9 @@
 """Reading a model's ``config.json`` into a ``ModelArch``: the entry point of the ``arch`` package.
 
 ``load_hf_config`` reads the file (errors name it); ``read_arch`` unwraps multimodal wrappers
-through their ``text_config``, dispatches to the family reader of the ``model_type``
-(``families.py``) and checks what it built. Nothing outside this package reads a raw config.
+through their ``text_config``, dispatches to the family reader of the ``model_type`` (the
+``FAMILIES`` table of ``families.py``) and checks what it built. Nothing outside this package
+reads a raw config: the ``ModelArch`` it returns does not carry one.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
     model_type = cfg.get("model_type")
     if not model_type:
         raise ArchError("config has no 'model_type' field")
-    builder = families.BUILDERS.get(model_type)
-    if builder is None:
-        known = ", ".join(sorted(families.BUILDERS))
+    family = families.FAMILIES.get(model_type)
+    if family is None:
+        known = ", ".join(sorted(families.FAMILIES))
         raise ArchError(f"model_type '{model_type}' is not supported (supported: {known})")
     reader = families.Reader(model_type, cfg)
-    layers, moe = builder(reader)
+    built = family.read(reader)
+    layers = built.layers
     if not use_mla:
         layers = [families.expand_mla(s) for s in layers]
     if len(layers) != reader.num_layers:
@@ -51,7 +53,8 @@ def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
     tie = cfg.get("tie_word_embeddings", config.get("tie_word_embeddings"))
     if tie is None:
-        tie = model_type in families.TIED_BY_DEFAULT
+        tie = family.tied_by_default
+    quant = cfg.get("quantization_config")
     return ModelArch(
         model_type=model_type,
         architectures=tuple(config.get("architectures") or cfg.get("architectures") or ()),
@@ -62,10 +65,17 @@ def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
         dtype=_model_dtype(cfg, config, model_type),
         layers=tuple(layers),
         tie_word_embeddings=bool(tie),
-        moe=moe,
+        moe=built.moe,
         bos_token_id=cfg.get("bos_token_id", config.get("bos_token_id")),
         eos_token_ids=eos_ids,
-        hf_config=MappingProxyType(dict(cfg)),
+        norm_eps=built.norm_eps,
+        hidden_act=built.hidden_act,
+        intermediate_size=built.intermediate_size,
+        final_softcap=built.final_softcap,
+        logit_scale=built.logit_scale,
+        options=built.options,
+        unsupported=built.unsupported,
+        quantization_config=MappingProxyType(dict(quant)) if isinstance(quant, Mapping) else quant,
     )
 
 

@@ -1,12 +1,14 @@
 """ModelArch: what a model's layers compute, read from a Hugging Face ``config.json``.
 
-This file is the only reader of HF config quirks that matter to the engine (attention kind,
-heads, head sizes, windows, RoPE, ALiBi, sinks, MLA and indexer dims, state-layer dims, MoE
-shape). Everything downstream reads ``ModelArch`` and its per-layer ``LayerSpec``.
+The types every other package reads instead of the raw config: per layer a ``LayerSpec``
+(attention kind, heads, head sizes, windows, RoPE, ALiBi, sinks, MLA and indexer dims, state
+dims and the state mixer's own constants, MoE), and for the model the facts its family's reader
+normalised once (norm epsilon, activation, dense MLP width, tying, final logit soft-cap and
+scale, the family's own options in ``arch/options.py``).
 
-It is not a model implementation: family-specific details that only one model file needs
-(activation names, norm placement, bias flags) are read by that model file from
-``ModelArch.hf_config``, which is the text config as a read-only mapping.
+It is not a reader: ``arch/families.py`` fills these from ``config.json``, with each family's
+defaults; the raw config does not travel past ``read_arch`` (only ``quantization_config``,
+as written, for the checkpoint loader).
 """
 
 from __future__ import annotations
@@ -15,15 +17,23 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from attnserve.arch.options import FamilyOptions
 
 __all__ = [
     "ArchError",
+    "GDNDims",
     "IndexerDims",
+    "KDADims",
     "LayerKind",
+    "LightningDims",
     "LayerSpec",
     "MLADims",
+    "MambaDims",
     "Mechanism",
+    "MixerDims",
     "MoESpec",
     "ModelArch",
     "NSADims",
@@ -105,6 +115,7 @@ class MLADims:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    attention_bias: bool = False  # biases on q_a/kv_a (or q), and o_proj
 
     @property
     def qk_head_dim(self) -> int:
@@ -164,6 +175,45 @@ class StateDims:
 
 
 @dataclass(frozen=True, slots=True)
+class GDNDims:
+    """Gated DeltaNet's own constants (value heads and head sizes are the ``LayerSpec``'s).
+
+    Whole-model values: tensor parallelism splits the built layer (``runner/parallel.py``)."""
+
+    num_k_heads: int
+    conv_kernel: int
+    norm_eps: float  # the gated output norm
+
+
+@dataclass(frozen=True, slots=True)
+class MambaDims:
+    """A Mamba-1 mixer's constants beyond its state shapes (inner width, state size, kernel)."""
+
+    dt_rank: int
+    conv_bias: bool
+    proj_bias: bool  # in_proj and out_proj
+    norm_eps: float  # Jamba's dt/B/C RMSNorms
+
+
+@dataclass(frozen=True, slots=True)
+class LightningDims:
+    """Lightning attention's block size: tokens per block of the prefill's block algorithm."""
+
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class KDADims:
+    """Kimi delta attention's constants beyond its state shapes."""
+
+    norm_eps: float  # the gated output norm
+
+
+# the state mixer's constants, by LayerKind: GDN, MAMBA, LIGHTNING, KDA
+MixerDims = GDNDims | MambaDims | LightningDims | KDADims
+
+
+@dataclass(frozen=True, slots=True)
 class MoESpec:
     num_experts: int
     top_k: int
@@ -197,6 +247,7 @@ class LayerSpec:
     state: StateDims | None = None
     moe: bool = False  # this layer's MLP is a mixture of experts
     nsa: NSADims | None = None  # LayerKind.NSA: blocks, selection count, window
+    mixer: MixerDims | None = None  # state layers: the mixer's own constants (see MixerDims)
 
     @property
     def features(self) -> frozenset[str]:
@@ -215,6 +266,12 @@ class LayerSpec:
 
 @dataclass(frozen=True, slots=True)
 class ModelArch:
+    """A model as its family's reader normalised it; models and layers read nothing else.
+
+    ``norm_eps``, ``hidden_act`` and ``intermediate_size`` carry each family's own default
+    (transformers' config class for that family) when the config leaves them out.
+    """
+
     model_type: str
     architectures: tuple[str, ...]
     hidden_size: int
@@ -227,7 +284,16 @@ class ModelArch:
     moe: MoESpec | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    intermediate_size: int | None = None  # the dense MLP width (None: none given or no dense MLP)
+    final_softcap: float | None = None  # cap * tanh(logits / cap) (Gemma 2/3)
+    logit_scale: float | None = None  # logits multiplied by it (MPT)
+    options: FamilyOptions | None = None  # the family's own facts (arch/options.py)
+    unsupported: str | None = None  # why attnserve cannot build this model (inspect still reads it)
+    # the checkpoint's quantization_config as written (models/quantized.py reads it)
+    quantization_config: Mapping[str, Any] | None = field(default=None, compare=False, hash=False,
+                                                           repr=False)
 
     # --- derived views -------------------------------------------------------------------
     @property
@@ -291,8 +357,3 @@ class ModelArch:
     @property
     def is_mla(self) -> bool:
         return any(s.kind.is_mla for s in self.layers)
-
-    @property
-    def quantization_config(self) -> Mapping[str, Any] | None:
-        """The checkpoint's ``quantization_config`` as written (``models/quantized.py`` reads it)."""
-        return self.hf_config.get("quantization_config")

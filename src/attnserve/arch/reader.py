@@ -1,16 +1,17 @@
 """Typed reading of a Hugging Face text config, and the building blocks family readers share.
 
 ``Reader`` gives each field with an error that names the model type and the field; the helpers
-turn common patterns (window layouts, RoPE, MoE shapes, MLA dims) into ``LayerSpec`` lists.
-The per-family layouts that use them are in ``arch/families.py``.
+turn common patterns (window layouts, RoPE, MoE shapes, MLA dims) into ``LayerSpec`` lists;
+``Built`` is what a family reader returns. The readers that use them are
+``readers_standard.py`` and ``readers_mla_state.py``; the table of families is ``families.py``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from attnserve.arch.model_arch import (
     ArchError,
@@ -22,8 +23,26 @@ from attnserve.arch.model_arch import (
     RopeConfig,
 )
 
+if TYPE_CHECKING:
+    from attnserve.arch.options import FamilyOptions
+
 _REQUIRED = object()
 
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """What a family reader returns: one ``LayerSpec`` per layer, the MoE shape, and the facts
+    its model reads (the ``ModelArch`` fields of the same names)."""
+
+    layers: list[LayerSpec]
+    norm_eps: float
+    hidden_act: str
+    intermediate_size: int | None = None
+    moe: MoESpec | None = None
+    options: FamilyOptions | None = None
+    final_softcap: float | None = None
+    logit_scale: float | None = None
+    unsupported: str | None = None
 
 
 class Reader:
@@ -49,6 +68,10 @@ class Reader:
             raise ArchError(f"{self.model_type}: field '{names[0]}' must be a non-negative integer, "
                             f"got {value!r}")
         return value
+
+    def flag(self, name: str, default: bool) -> bool:
+        """``bool(cfg.get(name, default))``: an explicit null is False, as the model files read it."""
+        return bool(self.cfg.get(name, default))
 
     def float(self, *names: str, default: Any = _REQUIRED) -> float | None:
         value = self.get(*names, default=default)
@@ -284,7 +307,7 @@ def mla_layers(r: Reader, kind: LayerKind, *, indexer_for: Callable[[int], Index
                 use_rope: bool = True, layer_ids: list[int] | None = None) -> dict[int, LayerSpec]:
     dims = MLADims(q_lora_rank=r.int("q_lora_rank", default=None), kv_lora_rank=r.int("kv_lora_rank"),
                    qk_nope_head_dim=r.int("qk_nope_head_dim"), qk_rope_head_dim=r.int("qk_rope_head_dim"),
-                   v_head_dim=r.int("v_head_dim"))
+                   v_head_dim=r.int("v_head_dim"), attention_bias=r.flag("attention_bias", False))
     params = r.rope_params()
     rope = None
     scale = dims.qk_head_dim ** -0.5
@@ -309,7 +332,6 @@ def expand_mla(spec: LayerSpec) -> LayerSpec:
     if spec.kind is not LayerKind.MLA:
         return spec
     return replace(spec, kind=LayerKind.FULL, num_kv_heads=spec.num_heads)
-
 
 
 def check_types(r: Reader, types: list[str], allowed: set[str]) -> None:

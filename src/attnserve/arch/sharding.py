@@ -3,17 +3,27 @@
 Query heads split evenly; KV heads split, or one is replicated per rank when there are fewer KV
 heads than ranks; MLA keeps the full latent rows on every rank; state layers split their
 heads and state channels. Each rank's KV cache is sized from its share, and ``attnserve
-inspect`` reports per rank with it. Pure arithmetic on the dataclasses: the sharding of a built
+inspect`` reports per rank with it. Also ``ShardPlan``, a family's MLP projections by name (each
+family's plan is in the ``FAMILIES`` table). Pure arithmetic and data: the sharding of a built
 model is ``runner/parallel.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from attnserve.arch.model_arch import LayerSpec, ModelArch, StateDims
 
-__all__ = ["kv_head_share", "shard_arch"]
+__all__ = ["ShardPlan", "kv_head_share", "shard_arch"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """A family's MLP projections by attribute name (attention, MLA, GDN and experts are found by
+    their module types)."""
+
+    column: tuple[str, ...] = ("gate_up_proj",)  # output features split
+    row: tuple[str, ...] = ("down_proj",)  # input features split, outputs all-reduced
 
 
 def kv_head_share(num_kv_heads: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -25,13 +25,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve.arch import LayerSpec, ModelArch
+from attnserve.arch import GDNDims, LayerSpec, ModelArch
 from attnserve.core.forward_context import get_forward_context
-from attnserve.layers.linear import MergedLinear
+from attnserve.layers.linear import MergedLinear, Target
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm"]
 
 _GATE_ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+_CHECKPOINT_SHARDS = {  # checkpoint projection -> (parameter, shard)
+    "in_proj_qkvz": ("in_proj_qkvz", "grouped"),  # Qwen3-Next: grouped by key head
+    "in_proj_ba": ("in_proj_ba", "grouped"),
+    "in_proj_qkv": ("in_proj_qkvz", 0),  # Qwen3.5: stored apart
+    "in_proj_z": ("in_proj_qkvz", 1),
+    "in_proj_b": ("in_proj_ba", 0),
+    "in_proj_a": ("in_proj_ba", 1),
+}
 
 
 class GatedRMSNorm(nn.Module):
@@ -60,14 +68,16 @@ def ungroup_rows(weight: torch.Tensor, num_groups: int, sizes: list[int]) -> tor
 class GatedDeltaNet(nn.Module):
     def __init__(self, arch: ModelArch, spec: LayerSpec):
         super().__init__()
-        c = arch.hf_config
+        dims = spec.mixer
+        if not isinstance(dims, GDNDims):
+            raise ValueError(f"layer {spec.index}: GatedDeltaNet needs LayerSpec.mixer (GDNDims)")
         self.layer_id = spec.index
         self.num_v_heads, self.head_k_dim, self.head_v_dim = (
             spec.num_heads,
             spec.head_size,
             spec.head_size_v,
         )
-        self.num_k_heads = int(c["linear_num_key_heads"])
+        self.num_k_heads = dims.num_k_heads
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(
                 f"layer {spec.index}: {self.num_v_heads} value heads cannot share "
@@ -76,7 +86,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        kernel = int(c.get("linear_conv_kernel_dim", 4))
+        kernel = dims.conv_kernel
         self.in_proj_qkvz = MergedLinear(
             arch.hidden_size, [self.conv_dim, self.value_dim], bias=False
         )
@@ -92,7 +102,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(
             torch.linspace(1.0, 16.0, self.num_v_heads).log()
         )  # checkpoints overwrite
-        self.norm = GatedRMSNorm(self.head_v_dim, eps=c.get("rms_norm_eps", 1e-6), act="silu")
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=dims.norm_eps, act="silu")
         self.out_proj = nn.Linear(self.value_dim, arch.hidden_size, bias=False)
         # bound by the model runner once the state pool is allocated
         self.state_cache: Any = None
@@ -102,6 +112,15 @@ class GatedDeltaNet(nn.Module):
     @property
     def conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight.view(self.conv_dim, -1)  # [C, 1, K] -> [C, K]
+
+    @staticmethod
+    def rename(suffix: str) -> Target:
+        """A checkpoint input projection (either layout) -> (``in_proj_qkvz``/``in_proj_ba``, shard)."""
+        name, dot, rest = suffix.partition(".")
+        if rest == "weight" and name in _CHECKPOINT_SHARDS:
+            param, shard = _CHECKPOINT_SHARDS[name]
+            return f"{param}.weight", shard
+        return suffix
 
     def _load_qkvz(self, param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
         if shard == "grouped":  # Qwen3-Next: per key head [q | k | v | z]

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve.arch import LayerSpec, ModelArch
+from attnserve.arch import KDADims, LayerSpec, ModelArch
 from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.gdn import GatedRMSNorm
-from attnserve.layers.linear import MergedLinear
+from attnserve.layers.linear import MergedLinear, Target, fused_rename
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -43,8 +43,8 @@ def _load_any_shape(param: nn.Parameter, loaded: torch.Tensor, shard: object = N
 class KimiDeltaAttention(nn.Module):
     def __init__(self, arch: ModelArch, spec: LayerSpec):
         super().__init__()
-        if spec.state is None:
-            raise ValueError(f"layer {spec.index}: KimiDeltaAttention needs LayerSpec.state")
+        if spec.state is None or not isinstance(spec.mixer, KDADims):
+            raise ValueError(f"layer {spec.index}: KimiDeltaAttention needs LayerSpec.state and .mixer (KDADims)")
         self.layer_id = spec.index
         h, d = self.num_heads, self.head_dim = spec.num_heads, spec.head_size
         inner, hidden = h * d, arch.hidden_size
@@ -59,12 +59,17 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(hidden, h, bias=False)
         self.g_a_proj = nn.Linear(hidden, d, bias=False)
         self.g_b_proj = nn.Linear(d, inner, bias=False)
-        self.o_norm = GatedRMSNorm(d, eps=arch.hf_config.get("rms_norm_eps", 1e-6), act="sigmoid")
+        self.o_norm = GatedRMSNorm(d, eps=spec.mixer.norm_eps, act="sigmoid")
         self.o_proj = nn.Linear(inner, hidden, bias=False)
         # bound by the model runner once the state pool is allocated
         self.state_cache: Any = None
         self.backend: Any = None
         self.group_id: int = -1
+
+    @staticmethod
+    def rename(suffix: str) -> Target:
+        """Checkpoint ``q_proj.*``, ``k_proj.*``, ``v_proj.*`` -> (``qkv_proj.*``, 0 | 1 | 2)."""
+        return fused_rename(suffix, "qkv_proj", (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)))
 
     @property
     def conv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

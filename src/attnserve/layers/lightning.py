@@ -19,26 +19,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnserve.arch import LayerSpec, ModelArch
+from attnserve.arch import LayerSpec, LightningDims, ModelArch
 from attnserve.attention.state import lightning_decay_rates
 from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.activation import get_act_fn
+from attnserve.layers.linear import Target
 from attnserve.layers.norm import RMSNorm
 
 __all__ = ["LightningAttention"]
 
 _NORM_EPS = 1e-6  # transformers builds this norm with the RMSNorm default, not rms_norm_eps
+# decay tables MiniMax checkpoints store; recomputed here from the layer index
+_CHECKPOINT_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 
 
 class LightningAttention(nn.Module):
     def __init__(self, arch: ModelArch, spec: LayerSpec):
         super().__init__()
-        c = arch.hf_config
+        if not isinstance(spec.mixer, LightningDims):
+            raise ValueError(f"layer {spec.index}: LightningAttention needs LayerSpec.mixer (LightningDims)")
         self.layer_id = spec.index
         self.num_heads, self.head_dim = spec.num_heads, spec.head_size
         inner = self.num_heads * self.head_dim
-        self.block_size = int(c.get("block_size", 256))
-        self.act = get_act_fn(c.get("hidden_act", "silu"))
+        self.block_size = spec.mixer.block_size
+        self.act = get_act_fn(arch.hidden_act)
         self.qkv_proj = nn.Linear(arch.hidden_size, 3 * inner, bias=False)
         self.output_gate = nn.Linear(arch.hidden_size, inner, bias=False)
         self.out_proj = nn.Linear(inner, arch.hidden_size, bias=False)
@@ -49,6 +53,11 @@ class LightningAttention(nn.Module):
         self.state_cache: Any = None
         self.backend: Any = None
         self.group_id: int = -1
+
+    @staticmethod
+    def rename(suffix: str) -> Target:
+        """The checkpoint's decay tables are skipped (None); other names are this module's own."""
+        return None if suffix in _CHECKPOINT_BUFFERS else suffix
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] (after the input norm) -> [T, D]."""

@@ -2,7 +2,9 @@
 
 Checkpoints store q, k, v (and gate, up) as separate tensors; the engine keeps them fused so a
 step runs one matrix product instead of three. Each parameter carries a ``weight_loader`` that
-knows where a checkpoint shard goes (nano-vllm's inverted loading).
+knows where a checkpoint shard goes (nano-vllm's inverted loading), and a module holding fused
+projections names where its checkpoint tensors go with a ``rename(suffix) -> Target`` method
+(``qkv_rename`` and ``gate_up_rename`` here; ``models/base.rename_in`` asks it).
 """
 
 from __future__ import annotations
@@ -10,7 +12,37 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MergedLinear", "QKVLinear", "default_weight_loader"]
+__all__ = ["MergedLinear", "QKVLinear", "Target", "default_weight_loader", "fused_rename", "gate_up_rename",
+           "prefixed", "qkv_rename"]
+
+# where a checkpoint tensor goes: a parameter name, (parameter name, shard), or None to skip it
+Target = tuple[str, object] | str | None
+
+
+def prefixed(prefix: str, target: Target) -> Target:
+    """``target`` (a name, a (name, shard) pair or None) under ``prefix``."""
+    if isinstance(target, tuple):
+        return prefix + target[0], target[1]
+    return target and prefix + target
+
+
+def fused_rename(suffix: str, fused: str, parts: tuple[tuple[str, object], ...]) -> Target:
+    """``{part}.*`` -> (``{fused}.*``, the part's shard) for the parts one fused projection holds;
+    any other name unchanged."""
+    for part, shard in parts:
+        if suffix.startswith(part + "."):
+            return fused + suffix[len(part):], shard
+    return suffix
+
+
+def qkv_rename(suffix: str) -> Target:
+    """``q_proj.*``, ``k_proj.*``, ``v_proj.*`` -> (``qkv_proj.*``, "q" | "k" | "v")."""
+    return fused_rename(suffix, "qkv_proj", (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")))
+
+
+def gate_up_rename(suffix: str) -> Target:
+    """``gate_proj.*`` -> (``gate_up_proj.*``, 0), ``up_proj.*`` -> shard 1."""
+    return fused_rename(suffix, "gate_up_proj", (("gate_proj", 0), ("up_proj", 1)))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:

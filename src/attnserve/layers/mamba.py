@@ -14,14 +14,13 @@ scan arithmetic (``attention/state/mamba.py``), Mamba-2 (multi-head, grouped B/C
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve.arch import LayerSpec, ModelArch
+from attnserve.arch import LayerSpec, MambaDims, ModelArch
 from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.norm import RMSNorm
 
@@ -31,21 +30,19 @@ __all__ = ["MambaMixer"]
 class MambaMixer(nn.Module):
     def __init__(self, arch: ModelArch, spec: LayerSpec):
         super().__init__()
-        c = arch.hf_config
-        if spec.state is None:
-            raise ValueError(f"layer {spec.index}: MambaMixer needs LayerSpec.state")
+        dims = spec.mixer
+        if spec.state is None or not isinstance(dims, MambaDims):
+            raise ValueError(f"layer {spec.index}: MambaMixer needs LayerSpec.state and .mixer (MambaDims)")
         self.layer_id = spec.index
         ((inner, width),) = spec.state.conv  # [Di, K-1]
         ((_, d_state),) = spec.state.recurrent  # [Di, N]
         hidden = arch.hidden_size
-        rank = c.get("mamba_dt_rank", "auto")
-        self.dt_rank = math.ceil(hidden / 16) if rank == "auto" else int(rank)
+        self.dt_rank = dims.dt_rank
         self.inner, self.d_state = inner, d_state
-        proj_bias = bool(c.get("mamba_proj_bias", False))
-        eps = c.get("rms_norm_eps", 1e-6)
+        proj_bias, eps = dims.proj_bias, dims.norm_eps
         self.in_proj = nn.Linear(hidden, 2 * inner, bias=proj_bias)
         self.conv1d = nn.Conv1d(
-            inner, inner, width + 1, groups=inner, bias=bool(c.get("mamba_conv_bias", True))
+            inner, inner, width + 1, groups=inner, bias=dims.conv_bias
         )
         self.x_proj = nn.Linear(inner, self.dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, inner, bias=True)

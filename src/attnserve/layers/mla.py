@@ -37,7 +37,7 @@ from attnserve.arch import LayerKind, LayerSpec, ModelArch
 from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.attention import Attention
 from attnserve.layers.indexer import Indexer
-from attnserve.layers.linear import MergedLinear
+from attnserve.layers.linear import MergedLinear, Target, fused_rename
 from attnserve.layers.norm import RMSNorm
 from attnserve.layers.rotary import get_rope
 
@@ -60,7 +60,7 @@ class MLAAttention(nn.Module):
         dims = spec.mla
         if dims is None:
             raise ValueError(f"layer {spec.index}: MLAAttention needs LayerSpec.mla")
-        bias = bool(arch.hf_config.get("attention_bias", False))
+        bias = dims.attention_bias
         hidden = arch.hidden_size
         self.num_heads = spec.num_heads
         self.q_lora_rank = dims.q_lora_rank
@@ -101,6 +101,13 @@ class MLAAttention(nn.Module):
             self.kv_cache: Any = None
         else:
             self.attn = Attention(spec)
+
+    def rename(self, suffix: str) -> Target:
+        """Checkpoint ``q_a_proj.*`` / ``kv_a_proj_with_mqa.*`` -> (``fused_qkv_a_proj.*``, 0 / 1)
+        when they are fused (with a q LoRA); every other name is this module's own."""
+        if not self.q_lora_rank:
+            return suffix
+        return fused_rename(suffix, "fused_qkv_a_proj", (("q_a_proj", 0), ("kv_a_proj_with_mqa", 1)))
 
     @property
     def w_kv_b(self) -> torch.Tensor:

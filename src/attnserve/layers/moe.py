@@ -35,14 +35,13 @@ from torch import nn
 
 from attnserve.layers.activation import gated, get_act_fn
 from attnserve.layers.fused import uses_kernel
-from attnserve.layers.linear import MergedLinear
+from attnserve.layers.linear import MergedLinear, Target, gate_up_rename, prefixed
 
 if TYPE_CHECKING:
     from attnserve.arch import ModelArch, MoESpec
 
 __all__ = ["DeepseekMoE", "FusedExperts", "GatedMLP", "SparseMoE", "select_experts"]
 
-Target = tuple[str, object] | str | None  # what a model's rename returns for load_named_weights
 KERNEL_MAX_TOKENS = 2048  # FusedExperts runs the grouped Triton kernels up to this many tokens
 
 
@@ -370,10 +369,7 @@ class GatedMLP(nn.Module):
     @staticmethod
     def rename(suffix: str) -> Target:
         """``gate_proj.weight`` -> (``gate_up_proj.weight``, 0), ``up_proj.*`` -> shard 1."""
-        for proj, shard in (("gate_proj.", 0), ("up_proj.", 1)):
-            if suffix.startswith(proj):
-                return "gate_up_proj." + suffix[len(proj) :], shard
-        return suffix
+        return gate_up_rename(suffix)
 
 
 class SparseMoE(nn.Module):
@@ -434,7 +430,7 @@ class _Router(nn.Module):
 class DeepseekMoE(nn.Module):
     """DeepSeek-style MoE: float32 gate (+ correction bias), routed experts, shared experts.
 
-    Reads ``arch.moe`` (routing) and ``arch.hf_config`` (``hidden_act``). Checkpoint names under
+    Reads ``arch.moe`` (routing) and ``arch.hidden_act``. Checkpoint names under
     ``mlp.``: ``gate.weight``, ``gate.e_score_correction_bias``,
     ``experts.N.{gate,up,down}_proj.weight``, ``shared_experts.{gate,up,down}_proj.weight``;
     ``rename`` maps them to this module's parameters.
@@ -445,7 +441,7 @@ class DeepseekMoE(nn.Module):
         spec = arch.moe
         if spec is None:
             raise ValueError(f"{arch.model_type}: DeepseekMoE needs arch.moe")
-        act = arch.hf_config.get("hidden_act", "silu")
+        act = arch.hidden_act
         self.spec = spec
         self.gate = _Router(arch.hidden_size, spec.num_experts, spec.topk_method == "noaux_tc")
         self.experts = FusedExperts(
@@ -476,8 +472,5 @@ class DeepseekMoE(nn.Module):
         prefixed, to ``models.weights.load_named_weights``.
         """
         if suffix.startswith("shared_experts."):
-            target = GatedMLP.rename(suffix[len("shared_experts.") :])
-            if isinstance(target, tuple):
-                return "shared_experts." + target[0], target[1]
-            return "shared_experts." + target
+            return prefixed("shared_experts.", GatedMLP.rename(suffix[len("shared_experts.") :]))
         return SparseMoE.rename(suffix)

@@ -22,7 +22,7 @@ from torch import nn
 
 from attnserve.arch import LayerSpec
 from attnserve.core.forward_context import get_forward_context
-from attnserve.layers.linear import QKVLinear
+from attnserve.layers.linear import QKVLinear, qkv_rename
 from attnserve.layers.rotary import get_rope
 
 __all__ = ["NSAAttention"]
@@ -49,6 +49,8 @@ class NSAAttention(nn.Module):
         self.backend: Any = None
         self.group_id: int = -1
         self.kv_cache: Any = None
+
+    rename = staticmethod(qkv_rename)  # the checkpoint's q_proj/k_proj/v_proj
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]

@@ -4,8 +4,10 @@ Falcon-7B (``multi_query``: one KV head, parallel attention and MLP off one Laye
 Falcon-40B/180B (``new_decoder_architecture``: GQA with ``num_kv_heads``, two LayerNorms
 ``ln_attn``/``ln_mlp``, or one when ``num_ln_in_parallel_attn`` is 1 as in Falcon2-11B), plain
 MHA, and Falcon-RW (``alibi``: ALiBi instead of NeoX rotary, usually with ``parallel_attn``
-off and biases on). The fused ``query_key_value`` weight is reordered once at load time into
-the engine's ``[q | k | v]`` layout (``deinterleave_qkv``, also used by BLOOM and GPT-BigCode).
+off and biases on). The layout switches are ``arch.options`` (a ``FalconOptions``). The fused
+``query_key_value`` weight is reordered once at load time into the engine's ``[q | k | v]``
+layout (``models.base.deinterleave_qkv``, also used by BLOOM and GPT-BigCode); the checkpoint's
+``word_embeddings``, ``h`` and ``ln_f`` are the skeleton's ``embed_tokens``, ``layers``, ``norm``.
 
 Not here: the legacy ``RefinedWeb``/``RefinedWebModel`` model types (their checkpoints need
 ``trust_remote_code``), and the bfloat16 rounding of ``slope * position`` that the Falcon-RW code
@@ -15,80 +17,19 @@ bfloat16 as HF does, the products are not).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from attnserve.arch import LayerSpec, ModelArch
+from attnserve.arch import FalconOptions, LayerSpec, ModelArch
 from attnserve.attention.reference import alibi_slopes
 from attnserve.core.forward_context import get_forward_context
-from attnserve.layers.activation import get_act_fn
 from attnserve.layers.attention import Attention
 from attnserve.layers.linear import QKVLinear
 from attnserve.layers.norm import LayerNorm
 from attnserve.layers.rotary import get_rope
-from attnserve.models.weights import load_named_weights
+from attnserve.models.base import CausalLM, PlainMLP, Weights, deinterleave_qkv
 
-__all__ = ["FalconForCausalLM", "FalconOptions", "deinterleave_qkv"]
-
-
-def deinterleave_qkv(
-    t: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int
-) -> torch.Tensor:
-    """Reorder fused QKV rows grouped per KV head into ``[q | k | v]``.
-
-    Args:
-        t: a fused weight [out, in] or bias [out] whose rows are, per KV head, the group's
-            ``num_heads // num_kv_heads`` query heads, then its key head, then its value head
-            (BLOOM, Falcon MHA and GQA, GPT-BigCode MHA: ``[q_h, k_h, v_h]`` per head).
-        num_heads, num_kv_heads, head_size: the attention shape.
-    Returns:
-        The same rows as ``[q (H*D) | k (Hkv*D) | v (Hkv*D)]``.
-    """
-    group = num_heads // num_kv_heads
-    rest = t.shape[1:]
-    rows = t.reshape(num_kv_heads, group + 2, head_size, *rest)  # [Hkv, group + 2, D, (in)]
-    q = rows[:, :group].reshape(num_heads * head_size, *rest)  # [H*D, (in)]
-    k = rows[:, group].reshape(num_kv_heads * head_size, *rest)  # [Hkv*D, (in)]
-    v = rows[:, group + 1].reshape(num_kv_heads * head_size, *rest)
-    return torch.cat([q, k, v])
-
-
-@dataclass(frozen=True, slots=True)
-class FalconOptions:
-    new_arch: bool  # new_decoder_architecture: GQA, attention and MLP always in parallel
-    two_ln: bool  # ln_attn and ln_mlp instead of input_layernorm
-    parallel: bool  # attention and MLP read the same input (one residual add)
-    bias: bool
-    grouped_qkv: bool  # query_key_value rows grouped per KV head (all but multi_query)
-    ffn_size: int
-    act: str
-    eps: float
-
-    @classmethod
-    def from_arch(cls, arch: ModelArch) -> FalconOptions:
-        c = arch.hf_config
-        new_arch = bool(c.get("new_decoder_architecture", False))
-        num_ln = c.get("num_ln_in_parallel_attn")
-        if num_ln is None and new_arch:
-            num_ln = 2
-        parallel = bool(c.get("parallel_attn", True))
-        if new_arch and not parallel:
-            raise ValueError(
-                "falcon: new_decoder_architecture requires parallel_attn (as in transformers)"
-            )
-        return cls(
-            new_arch=new_arch,
-            two_ln=new_arch and num_ln == 2,
-            parallel=new_arch or parallel,
-            bias=bool(c.get("bias", False)),
-            grouped_qkv=new_arch or not bool(c.get("multi_query", True)),
-            ffn_size=c.get("ffn_hidden_size") or 4 * arch.hidden_size,
-            act=c.get("activation", "gelu"),
-            eps=c.get("layer_norm_epsilon", 1e-5),
-        )
+__all__ = ["FalconForCausalLM"]
 
 
 def falcon_alibi_slopes(spec: LayerSpec) -> torch.Tensor:
@@ -121,77 +62,45 @@ class FalconAttention(nn.Module):
         return self.dense(self.attn(q, k, v))
 
 
-class FalconMLP(nn.Module):
-    def __init__(self, hidden: int, opts: FalconOptions):
-        super().__init__()
-        self.dense_h_to_4h = nn.Linear(hidden, opts.ffn_size, bias=opts.bias)
-        self.act = get_act_fn(opts.act)
-        self.dense_4h_to_h = nn.Linear(opts.ffn_size, hidden, bias=opts.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
-
-
 class FalconDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, spec: LayerSpec, opts: FalconOptions):
+    def __init__(self, arch: ModelArch, spec: LayerSpec):
         super().__init__()
-        d = arch.hidden_size
+        d, opts, eps = arch.hidden_size, arch.options, arch.norm_eps
         self.opts = opts
         self.self_attention = FalconAttention(arch, spec, opts)
-        self.mlp = FalconMLP(d, opts)
+        self.mlp = PlainMLP(d, arch.intermediate_size, arch.hidden_act, bias=opts.bias,
+                            names=("dense_h_to_4h", "dense_4h_to_h"))
         if opts.two_ln:
-            self.ln_attn = LayerNorm(d, eps=opts.eps)
-            self.ln_mlp = LayerNorm(d, eps=opts.eps)
+            self.ln_attn = LayerNorm(d, eps=eps)
+            self.ln_mlp = LayerNorm(d, eps=eps)
         else:
-            self.input_layernorm = LayerNorm(d, eps=opts.eps)
+            self.input_layernorm = LayerNorm(d, eps=eps)
         if not opts.parallel:
-            self.post_attention_layernorm = LayerNorm(d, eps=opts.eps)
+            self.post_attention_layernorm = LayerNorm(d, eps=eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, carry: None) -> tuple[torch.Tensor, None]:
         if self.opts.two_ln:
             attn_in, mlp_in = self.ln_attn(hidden), self.ln_mlp(hidden)
         else:
             attn_in = mlp_in = self.input_layernorm(hidden)
         attn_out = self.self_attention(positions, attn_in)
         if self.opts.parallel:
-            return hidden + attn_out + self.mlp(mlp_in)
+            return hidden + attn_out + self.mlp(mlp_in), None
         hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), None
 
 
-class FalconForCausalLM(nn.Module):
+class FalconForCausalLM(CausalLM):
+    stripped_prefixes = ("transformer.",)
+    renamed_modules = (("word_embeddings.", "embed_tokens."), ("h.", "layers."), ("ln_f.", "norm."))
+
     def __init__(self, arch: ModelArch):
-        super().__init__()
-        self.arch = arch
-        self.opts = FalconOptions.from_arch(arch)
-        self.word_embeddings = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.h = nn.ModuleList(FalconDecoderLayer(arch, s, self.opts) for s in arch.layers)
-        self.ln_f = LayerNorm(arch.hidden_size, eps=self.opts.eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.word_embeddings.weight
+        super().__init__(arch, lambda s: FalconDecoderLayer(arch, s), LayerNorm(arch.hidden_size, eps=arch.norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.word_embeddings(input_ids)
-        for layer in self.h:
-            hidden = layer(positions, hidden)
-        return self.ln_f(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, self._checkpoint(weights), lambda name: name)
-
-    def _checkpoint(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF names without the ``transformer.`` prefix; grouped QKV rows put in ``[q | k | v]``."""
-        spec = self.arch.layers[0]
+    def checkpoint(self, weights: Weights) -> Weights:
+        """Grouped QKV rows put in ``[q | k | v]``."""
+        spec, grouped = self.arch.layers[0], self.arch.options.grouped_qkv
         for name, tensor in weights:
-            name = name.removeprefix("transformer.")
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue
-            if self.opts.grouped_qkv and ".query_key_value." in name:
+            if grouped and ".query_key_value." in name:
                 tensor = deinterleave_qkv(tensor, spec.num_heads, spec.num_kv_heads, spec.head_size)
             yield name, tensor

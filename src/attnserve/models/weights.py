@@ -14,11 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnserve.layers.linear import default_weight_loader
+from attnserve.layers.linear import Target, default_weight_loader
 
 __all__ = ["dummy_init", "iter_safetensors", "load_named_weights"]
-
-Target = tuple[str, object] | str | None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -11,8 +11,9 @@ per rank while loading), then ``shard_model`` keeps the rank's share, in place:
   ``dt_bias``); each rank keeps the state of its heads;
 - MoE: a contiguous block of the routed experts per rank, outputs all-reduced; routers and
   shared experts as elsewhere (replicated, MLP);
-- MLPs: the family's ``ShardPlan`` names the column-parallel inputs and row-parallel outputs;
-  ``o_proj`` / ``out_proj`` above are row-parallel too (input features split, all-reduce);
+- MLPs: the family's ``ShardPlan`` (``arch.FAMILIES``) names the column-parallel inputs and
+  row-parallel outputs; ``o_proj`` / ``out_proj`` above are row-parallel too (input features
+  split, all-reduce);
 - vocabulary: a masked embedding lookup of the rank's slice plus an all-reduce; the output head
   computes the rank's slice of the logits, gathered on rank 0.
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve.arch import ModelArch, kv_head_share, shard_arch
+from attnserve.arch import FAMILIES, ModelArch, ShardPlan, kv_head_share, shard_arch
 from attnserve.layers.attention import Attention
 from attnserve.layers.gdn import GatedDeltaNet
 from attnserve.layers.linear import MergedLinear, QKVLinear
@@ -43,7 +44,6 @@ __all__ = [
     "ParallelLMHead",
     "ParallelState",
     "RowParallelLinear",
-    "ShardPlan",
     "VocabParallelEmbedding",
     "all_reduce",
     "check_supported",
@@ -73,21 +73,14 @@ class ParallelState:
         return self.rank * per, (self.rank + 1) * per
 
 
-@dataclass(frozen=True, slots=True)
-class ShardPlan:
-    """A family's MLP projections by attribute name (attention, MLA, GDN and experts are found by
-    their module types)."""
-
-    column: tuple[str, ...] = ("gate_up_proj",)  # output features split
-    row: tuple[str, ...] = ("down_proj",)  # input features split, outputs all-reduced
+def _plan(model_type: str) -> ShardPlan | None:
+    """The family's plan; None refuses tensor_parallel_size > 1."""
+    family = FAMILIES.get(model_type)
+    return family.shard_plan if family is not None else None
 
 
-# model class name -> plan; families not listed here refuse tensor_parallel_size > 1
-_PLANS: dict[str, ShardPlan] = {
-    "LlamaForCausalLM": ShardPlan(column=("gate_up_proj", "c_fc"), row=("down_proj", "c_proj")),
-    "DeepseekForCausalLM": ShardPlan(),
-    "Qwen3NextForCausalLM": ShardPlan(),
-}
+def _planned_classes() -> list[str]:
+    return sorted({f.model.partition(":")[2] for f in FAMILIES.values() if f.shard_plan and f.model})
 
 
 # --- collectives (the default process group) ---------------------------------------------
@@ -305,17 +298,18 @@ def _shard_vocab(model: nn.Module, p: ParallelState) -> None:
 
 def check_supported(arch: ModelArch, model_cls: type, world_size: int) -> None:
     """Raise (before any process starts) when this model cannot run on ``world_size`` ranks."""
-    if model_cls.__name__ not in _PLANS:
+    if _plan(arch.model_type) is None:
         raise NotImplementedError(
             f"tensor parallelism has no sharding plan for {arch.model_type} "
-            f"({model_cls.__name__}); planned: {', '.join(sorted(_PLANS))}"
+            f"({model_cls.__name__}); planned: {', '.join(_planned_classes())}"
         )
     shard_arch(arch, world_size)
 
 
 def shard_model(model: nn.Module, p: ParallelState) -> None:
     """Keep this rank's shard of every parameter, in place (see the module docstring)."""
-    plan = _PLANS.get(type(model).__name__)
+    arch = getattr(model, "arch", None)
+    plan = _plan(arch.model_type) if isinstance(arch, ModelArch) else None
     if plan is None:
         raise NotImplementedError(
             f"tensor parallelism has no sharding plan for {type(model).__name__}"
