@@ -84,7 +84,8 @@ def test_dsa_with_full_topk_is_dense_mla(tmp_path):
     dense, wide = tmp_path / "dense", tmp_path / "wide"
     shutil.copytree(src, wide)
     cfg = json.loads((wide / "config.json").read_text())
-    (wide / "config.json").write_text(json.dumps(dict(cfg, index_topk=10**6)))
+    # a top-k as long as the longest sequence (max_position_embeddings) selects every key
+    (wide / "config.json").write_text(json.dumps(dict(cfg, index_topk=cfg["max_position_embeddings"])))
     shutil.copytree(src, dense)
     (dense / "config.json").write_text(json.dumps(dict(cfg, model_type="deepseek_v3",
                                                        architectures=["DeepseekV3ForCausalLM"])))

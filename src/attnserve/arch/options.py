@@ -1,10 +1,11 @@
 """The facts of one model family that only its model file needs, as frozen dataclasses.
 
-``ModelArch.options`` holds one of these, filled by the family's reader in ``arch/families.py``
-(defaults included), so a model file reads its bias flags, norm placement and the like from
-typed fields. Facts every family has (norm epsilon, activation, dense MLP width, tying, final
-soft-cap) are ``ModelArch`` fields instead; per-layer mechanism constants are ``LayerSpec``
-dims. Not here: reading the config (``families.py``), any model code.
+``ModelArch.options`` holds one of these, filled (defaults included) by the family's reader
+(``readers_standard.py``, ``readers_mla_state.py``), so a model file reads its bias flags, norm
+placement and the like from typed fields. Facts every family has (norm epsilon, activation,
+dense MLP width, tying, final soft-cap) are ``ModelArch`` fields instead; per-layer mechanism
+constants are ``LayerSpec`` dims. Not here: reading the config (the readers, ``families.py``),
+any model code.
 """
 
 from __future__ import annotations
