@@ -1,6 +1,8 @@
-"""Attention: the backend contract, the registry and selection, metadata, the PyTorch twin."""
+"""Attention: the backend contract, the registry and selection, metadata, the PyTorch twins;
+the standard, MLA, sparse-MLA and NSA backends (``backends/``) and the state mechanisms with
+theirs (``state/``)."""
 
-from attnserve.attention.backend import AttentionBackend, BackendRequest, Capabilities
+from attnserve.attention.backend import AttentionBackend, Backend, BackendRequest, Capabilities
 from attnserve.attention.registry import (
     BackendSelectionError,
     Selection,
@@ -13,6 +15,7 @@ from attnserve.attention.registry import (
 
 __all__ = [
     "AttentionBackend",
+    "Backend",
     "BackendRequest",
     "BackendSelectionError",
     "Capabilities",

@@ -1,11 +1,14 @@
-"""The math of state layers: pure tensor functions over a state pool, no weights.
+"""State layers' mechanisms (Gated DeltaNet, KDA, Mamba, lightning): their math and backends.
 
-Each mechanism has a chunked (or block / parallel-scan) prefill form over a varlen batch and a
-recurrent decode form (one token per sequence); the two agree up to rounding. Every function
-takes flat tokens with ``query_start_loc`` [B+1], reads each sequence's state at
-``state_indices`` [B] (zeros where ``has_initial_state`` [B] is False) and writes the new state
-back in place. The layers that own the projections and norms call these; this package is not a
-layer, not a backend and not a kernel (Triton twins, when written, are tested against it).
+The math (exported here): pure tensor functions over a state pool, no weights. Each mechanism
+has a chunked (or block / parallel-scan) prefill form over a varlen batch and a recurrent decode
+form (one token per sequence); the two agree up to rounding. Every function takes flat tokens
+with ``query_start_loc`` [B+1], reads each sequence's state at ``state_indices`` [B] (zeros where
+``has_initial_state`` [B] is False) and writes the new state back in place; the Triton decode
+kernels (``ops/``) are tested against them. Beside it: the ``StateBackend`` base and the step's
+decode/prefill split (``base.py``), each mechanism's layer step (``steps.py``) and the backends
+(``torch_backends.py``, ``triton_backends.py``). Not here: the layers that own the projections
+and norms (``layers/``).
 """
 
 from __future__ import annotations
