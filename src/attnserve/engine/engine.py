@@ -102,9 +102,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict[str, Any],
                     params: SamplingParams | None = None) -> str:
-        params = params or SamplingParams()
+        """Tokenise, check and queue one prompt; returns its request id (a fresh one for None)."""
         text, ids = self.tokenize(prompt)
-        self._validate(ids, params)
+        return self.add_tokenized_request(request_id, text, ids, params)
+
+    def add_tokenized_request(self, request_id: str | None, prompt: str | None, prompt_token_ids: list[int],
+                              params: SamplingParams | None = None) -> str:
+        """Check and queue a prompt that ``tokenize`` turned into ``(prompt, prompt_token_ids)``
+        (``prompt``: its text, or None); the outputs carry that text."""
+        params = params or SamplingParams()
+        text, ids = prompt, prompt_token_ids
+        self.check_prompt(ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.states:
             raise ValueError(f"request id '{request_id}' is already in use")
@@ -126,7 +134,9 @@ class LLMEngine:
             self.scheduler.add_request(c.request)
         return request_id
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises PromptError for prompt token ids the engine cannot serve (empty, out of the
+        vocabulary, no room for a generated token within ``max_model_len``)."""
         if not ids:
             raise PromptError("the prompt is empty")
         vocab = self.arch.vocab_size

@@ -77,14 +77,9 @@ class LLM:
         engine = self.llm_engine
         tokenized = [engine.tokenize(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):
-            engine._validate(ids, p)
-        order = []
+            engine.check_prompt(ids, p)
         start = time.perf_counter()
-        for (text, ids), p in zip(tokenized, params):
-            prompt: PromptType = {"prompt_token_ids": ids}
-            rid = engine.add_request(None, prompt, p)
-            engine.states[rid].prompt = text
-            order.append(rid)
+        order = [engine.add_tokenized_request(None, text, ids, p) for (text, ids), p in zip(tokenized, params)]
         finals: dict[str, RequestOutput] = {}
         bar = _progress(len(order)) if use_tqdm else None
         generated = 0
