@@ -103,6 +103,11 @@ def test_bad_prompts_are_refused_and_nothing_is_queued(llm):
         llm.generate({"prompt_token_ids": []})
     with pytest.raises(PromptError, match="out of range"):
         llm.generate({"prompt_token_ids": [1, 10**6]})
+    with pytest.raises(PromptError, match="must be integers"):
+        llm.generate({"prompt_token_ids": [1, 2.5]})
+    with pytest.raises(PromptError, match="must be integers"):  # the engine's own entry checks too
+        engine.add_tokenized_request(None, None, [1, True], greedy(max_tokens=2))
+    assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):

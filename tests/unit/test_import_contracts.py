@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import grimp
-import pytest
 
 try:
     import tomllib
@@ -35,7 +34,6 @@ def test_lint_imports_keeps_every_contract():
     command = [str(lint)] if lint.exists() else [sys.executable, "-m", "importlinter.cli"]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "broken" not in run.stdout.lower().replace("0 broken", ""), run.stdout
 
 
 def test_every_module_sits_in_a_layer():
@@ -111,8 +109,7 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
     assert _cycles(graph) == [["cyclepkg.a", "cyclepkg.b", "cyclepkg.c"]]
 
 
-@pytest.mark.parametrize("upward", ["from attnserve.engine.engine import LLMEngine\n"])
-def test_an_upward_import_breaks_the_layers(tmp_path, upward):
+def test_an_upward_import_breaks_the_layers(tmp_path):
     """lint-imports fails on a copy of the package where a kvcache module imports the engine."""
     import shutil
 
@@ -121,7 +118,7 @@ def test_an_upward_import_breaks_the_layers(tmp_path, upward):
     (copy / "presets").mkdir()
     shutil.copy(PACKAGE / "presets" / "__init__.py", copy / "presets" / "__init__.py")
     spec = copy / "kvcache" / "spec.py"
-    spec.write_text(spec.read_text() + "\n" + upward)
+    spec.write_text(spec.read_text() + "\nfrom attnserve.engine.engine import LLMEngine\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     lint = Path(sys.executable).with_name("lint-imports")
     command = [str(lint)] if lint.exists() else [sys.executable, "-m", "importlinter.cli"]

@@ -95,10 +95,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise PromptError("this model has no tokenizer: pass prompt_token_ids")
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-            raise PromptError("prompt token ids must be integers")
-        return None, ids
+        return None, list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict[str, Any],
                     params: SamplingParams | None = None) -> str:
@@ -139,6 +136,8 @@ class LLMEngine:
         vocabulary, no room for a generated token within ``max_model_len``)."""
         if not ids:
             raise PromptError("the prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise PromptError("prompt token ids must be integers")
         vocab = self.arch.vocab_size
         bad = [t for t in ids if t < 0 or t >= vocab]
         if bad:
