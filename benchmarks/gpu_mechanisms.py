@@ -1,0 +1,787 @@
+"""Decode and prefill per attention mechanism, against the H200's bandwidth and FLOP ceilings.
+
+Real configs cut to 4 full-width layers, dummy bf16 weights, through ``LLM(...)``:
+
+- ``llama8b`` (GQA): Llama-3.1-8B-Instruct, TRITON_ATTN;
+- ``qwen3_30b_a3b`` (MoE): Qwen3-30B-A3B, every layer MoE with all 128 experts (top-8), TRITON_ATTN;
+- ``dsv3`` (MLA): DeepSeek-V3, 1 dense + 3 MoE layers of ``--experts`` routed experts (16), TRITON_MLA;
+- ``dsv32`` (DSA): DeepSeek-V3.2, the same cut, TRITON_MLA_SPARSE;
+- ``glm5`` (DSA): GLM-5, the same cut (its ``n_group``/``topk_group`` of 1 divide any count),
+  TRITON_MLA_SPARSE.
+
+``--experts N`` sets the routed experts of the three DeepSeek/GLM cuts; ``n_group`` becomes the
+largest divisor of N not above the config's, ``topk_group`` at least enough groups for top-k.
+
+Grid: batch 1 / 8 / 64 x context 1K / 8K / 32K for every case; the DSA cases also 64K and 128K
+at the ``--dsa-long-batches`` (1, 32). One engine per (case, context): ``max_num_seqs`` the
+largest batch, ``max_model_len`` context + new tokens + 16. Its largest batch of distinct random
+prompts (no two share a block) runs once with ``max_tokens=1`` after a short warm-up: that is
+the prefill cell, and it fills the prefix cache. Then for each batch b the first b prompts are
+timed with N new tokens and with 1 (prefix hits: only the last block is recomputed), the median
+of ``--repeats`` each: decode ms per step = (t(N) - t(1)) / (N - 1). Before an engine is built,
+the KV cache of its batches is checked against the memory left (the plan's bytes per sequence,
+the weights' bytes from the model built on the meta device); after, against the blocks the
+engine really has. A batch that does not fit is recorded as skipped with the reason.
+
+Decode floor, the bytes one step must read at 4.25 TB/s (measured copy bandwidth):
+
+- weights: every parameter of the model (sizes from its modules), except the input embedding,
+  of which only the b rows looked up count; the output head in full; for each MoE layer the
+  routed experts (the stacked ``FusedExperts`` weights) scaled to the experts b tokens touch
+  under uniform routing, E * (1 - (1 - k/E)^b) of E with top-k k, shared experts in full;
+- cache, per layer, for b sequences of ``context`` tokens, with row bytes read from the engine's
+  cache tensors (so fp8 rows count as stored): GQA/MoE 2 * kv_heads * head_dim * dtype bytes a
+  token (a sliding window caps the tokens); MLA one latent row ((kv_lora_rank + rope) * 2 in
+  bf16, 656 B in fp8) a token; DSA the indexer key of every token (128 * 2 B in bf16, 132 in
+  fp8; none in a GLM-5 "shared" layer, which reuses the previous layer's top-k) plus
+  min(context, index_topk) latent rows. At context <= index_topk the engine selects every key
+  without scoring (``ops/triton_mla_sparse.py``), so no indexer key counts there.
+
+Prefill FLOPs of b prompts of C tokens: b * (C * (2 * P + A) + 2 * H), with
+
+- P the parameters a token touches: all but the input embedding, the output head and the routed
+  experts, plus top-k routed experts' share (k/E of each MoE layer's stacked experts), shared
+  experts in full; H the output head, applied once per prompt (the engine computes logits for
+  the sampled row only);
+- A the attention FLOPs of a token, summed over layers, with m(C, cap) the mean over positions
+  p = 1..C of min(p, cap) (uncapped: (C + 1) / 2, i.e. causal C/2):
+  GQA 2 * heads * (head_dim_qk + head_dim_v) * m(C, window) (QK^T and PV);
+  MLA as the engine prefills it, expanded: 2 * heads * (qk_nope + rope + v_head_dim) * m(C);
+  DSA absorbed sparse attention 2 * heads * ((kv_lora_rank + rope) + kv_lora_rank) *
+  m(C, index_topk), plus in each layer with an indexer 2 * index_n_heads * index_head_dim *
+  m(C) (0 when C <= index_topk: nothing is scored then).
+
+Achieved TFLOP/s is against the measured 790 TFLOP/s bf16 matrix product.
+
+    python benchmarks/gpu_mechanisms.py [--cases dsv32,glm5] [--batches 1,8] [--contexts 8K,128K]
+        [--dsa-long-batches 1,32] [--experts 16] [--new 64] [--kv-cache-dtype fp8] [--block-size 64]
+        [--max-num-batched-tokens 16384] [--docs docs/performance.md] [--smoke]
+    python benchmarks/gpu_mechanisms.py --render run1.json run2.json [--docs docs/performance.md]
+
+Prints a JSON line per cell as it completes, then a markdown table; writes
+``$OUT/gpu_mechanisms.json`` (cells, options, environment) when ``OUT`` is set; ``--docs``
+rewrites the table between the ``gpu_mechanisms`` markers of that markdown file (appending the
+section when they are missing). A device command is limited in time: run the grid in parts
+(``--cases``, ``--contexts``) and ``--render`` their JSON files into one table (a later file's
+cell replaces an earlier one's). The long DSA prefills dominate the cost: 32 prompts of 128K
+are 4.2M prompt tokens, about 48 PFLOP for the DeepSeek-V3.2 cut (28 of them attention and
+indexer), minutes at the rates ``gpu_mla.py`` measured.
+
+``--smoke``: the five cases at toy sizes on CPU in float32 under Triton's interpreter (one
+layer for the GQA, MoE and MLA cases and DeepSeek-V3.2, whose one layer is MoE; GLM-5 one dense
+and one MoE layer, the second a "shared" layer without indexer; index_topk 16 so the indexer
+selects), batch 1/2, contexts 32/64, 3 new tokens, one repeat, blocks of 8, no warm-up; then the
+docs rewrite into a temporary file and the JSON read back. It exits non-zero unless every cell
+ran; a device run exits non-zero when a cell failed (skipped cells are not failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from attnserve import LLM, SamplingParams  # noqa: E402
+from attnserve.arch import LayerKind, ModelArch, load_hf_config, read_arch  # noqa: E402
+from attnserve.attention.registry import BackendSelectionError  # noqa: E402
+from attnserve.config import EngineConfig  # noqa: E402
+from attnserve.engine.plan import plan_engine  # noqa: E402
+from attnserve.layers.moe import FusedExperts  # noqa: E402
+from attnserve.models.registry import get_model_class  # noqa: E402
+from attnserve.platforms import current_platform  # noqa: E402
+from attnserve.presets import resolve_config_path  # noqa: E402
+
+BANDWIDTH = 4.25e12  # B/s, measured device copy bandwidth (docs/performance.md)
+PEAK_FLOPS = 790e12  # FLOP/s, measured bf16 matrix product
+LONG_CONTEXT = 32768  # contexts above this run for the DSA cases only, at --dsa-long-batches
+GIB = 1024**3
+MARK_BEGIN = "<!-- gpu_mechanisms:begin -->"
+MARK_END = "<!-- gpu_mechanisms:end -->"
+DOCS_TITLE = "## Per-mechanism decode and prefill (benchmarks/gpu_mechanisms.py)"
+JSON_NAME = "gpu_mechanisms.json"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One mechanism: a real config, its cut, and the backend that runs it."""
+
+    name: str
+    config: str  # the Hugging Face name ``resolve_config_path`` finds
+    mechanism: str
+    backend: str
+    overrides: dict = field(default_factory=dict)
+    cut_experts: bool = False  # ``--experts`` sets its routed experts
+    dsa: bool = False  # also runs the long contexts
+    smoke_overrides: dict = field(default_factory=dict)  # on top of SMOKE
+
+
+DEEPSEEK_CUT = {"num_hidden_layers": 4, "first_k_dense_replace": 1}
+# the interpreter's time grows with the layers (the sparse kernels run a program per prompt
+# token): the smoke run keeps one layer where one shows the mechanism
+ONE_LAYER = {"num_hidden_layers": 1}
+ONE_MOE_LAYER = {"num_hidden_layers": 1, "first_k_dense_replace": 0}
+CASES = {c.name: c for c in (
+    Case("llama8b", "meta-llama/Llama-3.1-8B-Instruct", "GQA", "TRITON_ATTN", {"num_hidden_layers": 4},
+         smoke_overrides=ONE_LAYER),
+    Case("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B", "MoE", "TRITON_ATTN", {"num_hidden_layers": 4},
+         smoke_overrides=ONE_LAYER),
+    Case("dsv3", "deepseek-ai/DeepSeek-V3", "MLA", "TRITON_MLA", DEEPSEEK_CUT, cut_experts=True,
+         smoke_overrides=ONE_MOE_LAYER),
+    Case("dsv32", "deepseek-ai/DeepSeek-V3.2", "DSA", "TRITON_MLA_SPARSE", DEEPSEEK_CUT, cut_experts=True,
+         dsa=True, smoke_overrides=ONE_MOE_LAYER),
+    # the stored GLM-5 config names no indexer types: every layer runs its own indexer; the smoke
+    # run (1 dense + 1 MoE layer) gives its second layer none, so the "shared" path runs too
+    Case("glm5", "zai-org/GLM-5", "DSA", "TRITON_MLA_SPARSE", DEEPSEEK_CUT, cut_experts=True, dsa=True,
+         smoke_overrides={"indexer_types": ["full", "shared"]}),
+)}
+# toy sizes: each key replaces the config's where the config has it (num_hidden_layers always)
+SMOKE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+         "num_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 128, "q_lora_rank": 64,
+         "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "qk_head_dim": 32, "v_head_dim": 16,
+         "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
+SMOKE_EXPERTS = 4
+
+
+# --- the models ---------------------------------------------------------------------------
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1K,8K,100"`` -> [1024, 8192, 100] (K: x1024)."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        out.append(int(item[:-1]) * 1024 if item[-1] in "kK" else int(item))
+    return out
+
+
+def size_label(n: int) -> str:
+    """1024 -> "1K", 100 -> "100"."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def routed_cut(cfg: dict, experts: int) -> dict:
+    """Config overrides for ``experts`` routed experts that keep top-k routing valid: ``n_group``
+    the largest divisor of ``experts`` not above the config's, ``topk_group`` the config's (at most
+    ``n_group``) or more, so that the kept groups hold at least top-k experts."""
+    k = cfg["num_experts_per_tok"]
+    if experts < k:
+        raise SystemExit(f"--experts {experts} is below the top-k of {k}")
+    groups = max(g for g in range(1, cfg.get("n_group", 1) + 1) if experts % g == 0)
+    needed = math.ceil(k * groups / experts)  # groups of experts/groups experts that hold k
+    topk_group = max(min(cfg.get("topk_group", 1), groups), needed)
+    return {"n_routed_experts": experts, "n_group": groups, "topk_group": topk_group}
+
+
+def model_dir(case: Case, experts: int, smoke: bool) -> tuple[str, dict]:
+    """A temporary directory holding the case's cut config, and the fields that were changed."""
+    d = tempfile.mkdtemp(prefix="attnserve_mech_")
+    cfg = json.loads(Path(resolve_config_path(case.config)).read_text())
+    changed = dict(case.overrides)
+    if smoke:
+        changed.update({k: v for k, v in SMOKE.items() if k in cfg or k == "num_hidden_layers"})
+        changed.update(case.smoke_overrides)
+        cfg.pop("quantization_config", None)
+    cfg.update(changed)
+    if case.cut_experts:
+        changed.update(routed_cut(cfg, experts))
+        cfg.update(changed)
+    (Path(d) / "config.json").write_text(json.dumps(cfg))
+    return d, changed
+
+
+def grid(case: Case, batches: list[int], contexts: list[int], long_batches: list[int]) -> list[tuple[int, list[int]]]:
+    """(context, batch sizes) to run: contexts above LONG_CONTEXT only for DSA, at ``long_batches``."""
+    out = []
+    for c in contexts:
+        if c <= LONG_CONTEXT:
+            out.append((c, sorted(set(batches))))
+        elif case.dsa and long_batches:
+            out.append((c, sorted(set(long_batches))))
+    return out
+
+
+# --- bytes and FLOPs ----------------------------------------------------------------------
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _numel(params) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _embedding_and_head(model: nn.Module) -> tuple[nn.Embedding | None, nn.Linear | None]:
+    """The input embedding and the output head (``CausalLM``'s names; else the first embedding)."""
+    emb = getattr(model, "embed_tokens", None)
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    head = getattr(model, "lm_head", None)
+    return emb, head if isinstance(head, nn.Linear) else None
+
+
+def _tied(emb: nn.Embedding | None, head: nn.Linear | None) -> bool:
+    return emb is not None and head is not None and head.weight is emb.weight
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts ``tokens`` tokens touch when each picks ``top_k`` of ``num_experts``
+    uniformly: E * (1 - (1 - k/E)^b)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def decode_weight_bytes(model: nn.Module, arch: ModelArch, batch: int) -> int:
+    """Weight bytes one decode step of ``batch`` tokens reads (see the module docstring)."""
+    total = _nbytes(model.parameters())  # a tied weight once
+    emb, head = _embedding_and_head(model)
+    if emb is not None and not _tied(emb, head):  # only the looked-up rows are read
+        w = emb.weight
+        total += min(batch, w.shape[0]) * w[0].numel() * w.element_size() - _nbytes([w])
+    for m in model.modules():
+        if isinstance(m, FusedExperts):
+            share = expected_experts(m.num_experts, arch.moe.top_k, batch) / m.num_experts
+            total -= (1.0 - share) * _nbytes(m.parameters())
+    return int(total)
+
+
+def prefill_params(model: nn.Module, arch: ModelArch) -> tuple[float, int]:
+    """(parameters a prompt token multiplies by, parameters of the head applied once a prompt)."""
+    per_token = float(_numel(model.parameters()))
+    emb, head = _embedding_and_head(model)
+    head_params = head.weight.numel() if head is not None else 0
+    per_token -= head_params
+    if emb is not None and not _tied(emb, head):
+        per_token -= emb.weight.numel()
+    for m in model.modules():
+        if isinstance(m, FusedExperts):
+            per_token -= (1.0 - arch.moe.top_k / m.num_experts) * _numel(m.parameters())
+    return per_token, head_params
+
+
+def mean_keys(context: int, cap: int | None = None) -> float:
+    """Mean over positions p = 1..context of min(p, cap): the keys a causal query sees."""
+    if cap is None or cap >= context:
+        return (context + 1) / 2
+    return (cap * (cap + 1) / 2 + (context - cap) * cap) / context
+
+
+def attention_flops_per_token(arch: ModelArch, context: int) -> float:
+    """Attention FLOPs of one prompt token of a ``context``-token prompt, over every layer."""
+    total = 0.0
+    for s in arch.layers:
+        if s.kind in (LayerKind.FULL, LayerKind.SLIDING):
+            total += 2 * s.num_heads * (s.head_size + s.head_size_v) * mean_keys(context, s.window)
+        elif s.kind is LayerKind.MLA:
+            total += 2 * s.num_heads * (s.mla.qk_head_dim + s.mla.v_head_dim) * mean_keys(context)
+        elif s.kind is LayerKind.SPARSE_MLA:
+            idx = s.indexer
+            total += 2 * s.num_heads * (s.mla.latent_dim + s.mla.kv_lora_rank) * mean_keys(context, idx.topk)
+            if idx.has_cache and context > idx.topk:  # at most topk keys visible: nothing is scored
+                total += 2 * idx.n_heads * idx.head_dim * mean_keys(context)
+        else:
+            raise ValueError(f"layer {s.index}: no FLOP count for {s.kind.value} layers")
+    return total
+
+
+def prefill_flops(model: nn.Module, arch: ModelArch, batch: int, context: int) -> float:
+    """FLOPs of prefilling ``batch`` prompts of ``context`` tokens: b * (C * (2P + A) + 2H)."""
+    per_token, head = prefill_params(model, arch)
+    return batch * (context * (2 * per_token + attention_flops_per_token(arch, context)) + 2 * head)
+
+
+def _row_bytes(cache) -> int:
+    """Bytes of one token's row in a paged cache tensor [blocks, block_size, ...] (or a tuple)."""
+    if isinstance(cache, (tuple, list)):
+        return sum(_row_bytes(t) for t in cache)
+    return cache[0, 0].numel() * cache.element_size()
+
+
+def cache_rows(model: nn.Module) -> dict[int, dict[str, int]]:
+    """Per cache-owning layer, the bytes of one token's row in each of its cache entries, read
+    from the tensors the engine bound (``kv`` for K and V together, ``latent``, ``indexer``)."""
+    rows: dict[int, dict[str, int]] = {}
+    for m in model.modules():
+        layer, cache = getattr(m, "layer_id", None), getattr(m, "kv_cache", None)
+        if layer is None or cache is None:
+            continue
+        entries = cache if isinstance(cache, dict) else {"kv": cache}
+        rows[layer] = {name: _row_bytes(t) for name, t in entries.items()}
+    return rows
+
+
+def check_rows(rows: dict[int, dict[str, int]], plan) -> None:
+    """The rows read from the tensors must be the plan's bytes per token (a changed layout
+    would make the floor count something else)."""
+    for e in plan.entries:
+        got = rows.get(e.layer, {}).get(e.name)
+        if got != e.spec.bytes_per_token:
+            raise RuntimeError(f"layer {e.layer} {e.name}: cache row of {got} bytes, the plan says "
+                               f"{e.spec.bytes_per_token}")
+
+
+def decode_cache_bytes(arch: ModelArch, rows: dict[int, dict[str, int]], batch: int, context: int) -> int:
+    """Cache bytes one decode step of ``batch`` sequences of ``context`` tokens reads."""
+    total = 0
+    for layer, r in rows.items():
+        s = arch.layers[layer]
+        if s.kind in (LayerKind.FULL, LayerKind.SLIDING):
+            total += r["kv"] * min(context, s.window or context)
+        elif s.kind is LayerKind.MLA:
+            total += r["latent"] * context
+        elif s.kind is LayerKind.SPARSE_MLA:
+            total += r["latent"] * min(context, s.indexer.topk)
+            if context > s.indexer.topk:  # else every key is selected unscored
+                total += r.get("indexer", 0) * context
+        else:
+            raise ValueError(f"layer {layer}: no cache count for {s.kind.value} layers")
+    return total * batch
+
+
+# --- memory checks ------------------------------------------------------------------------
+
+
+def meta_weight_bytes(arch: ModelArch, dtype: str) -> int:
+    """The model's parameter bytes, built on the meta device (nothing allocated)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device("meta"):
+            model = get_model_class(arch)(arch)
+    finally:
+        torch.set_default_dtype(previous)
+    return _nbytes(model.parameters())
+
+
+def kv_precheck(path: str, kwargs: dict, batches: list[int]) -> tuple[list[int], dict[int, str]]:
+    """Before building: the batches whose KV cache fits in the memory left (device: its
+    utilisation share less what is in use less the weights; CPU: ``kv_cache_memory``), and a
+    reason for each that does not. The profiling pass's activations are not known yet: the
+    engine's real block count is checked after building."""
+    config = EngineConfig.from_kwargs(path, **kwargs)
+    arch = read_arch(load_hf_config(path))
+    plan = plan_engine(arch, config, current_platform())
+    per_seq = plan.sequence_bytes(plan.max_model_len)
+    if config.cache.kv_cache_memory is not None:
+        budget, what = config.cache.kv_cache_memory * GIB, "kv_cache_memory"
+    elif torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        try:
+            weights = meta_weight_bytes(arch, plan.dtype)
+        except Exception:  # a model that cannot be built on the meta device: the post-check decides
+            weights = 0
+        budget = total * config.cache.gpu_memory_utilization - (total - free) - weights
+        what = (f"{config.cache.gpu_memory_utilization} of {total / GIB:.0f} GiB, less {(total - free) / GIB:.1f} "
+                f"in use and {weights / GIB:.1f} of weights")
+    else:
+        return list(batches), {}
+    fit = [b for b in batches if b * per_seq <= budget]
+    reasons = {b: f"KV cache of {b} x {plan.max_model_len} tokens needs {b * per_seq / GIB:.2f} GiB; "
+                  f"{max(budget, 0) / GIB:.2f} GiB left ({what})" for b in batches if b not in fit}
+    return fit, reasons
+
+
+def kv_postcheck(llm: LLM, batches: list[int]) -> tuple[list[int], dict[int, str]]:
+    """After building: the batches whose sequences all fit in the engine's block pool at once."""
+    engine = llm.llm_engine
+    per_seq = engine.kv_manager.num_blocks_for_tokens(engine.max_model_len)
+    capacity = engine.parts.num_blocks - 1  # block 0 is the null block
+    fit = [b for b in batches if b * per_seq <= capacity]
+    reasons = {b: f"{b} sequences need {b * per_seq} blocks of {engine.config.cache.block_size} tokens; the "
+                  f"engine has {capacity}" for b in batches if b not in fit}
+    return fit, reasons
+
+
+# --- running ------------------------------------------------------------------------------
+
+
+def engine_kwargs(args, case: Case, context: int, max_batch: int) -> dict:
+    """``LLM(...)`` keywords of one (case, context) engine."""
+    kwargs = dict(load_format="dummy", dtype="float32" if args.smoke else "bfloat16",
+                  attention_backend=case.backend, max_model_len=context + args.new + 16,
+                  max_num_seqs=max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
+    if args.smoke:
+        kwargs["kv_cache_memory"] = 0.05
+    else:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return kwargs
+
+
+def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[dict]:
+    """``count`` prompts of ``length`` random token ids (distinct: no two share a block)."""
+    ids = np.random.default_rng(seed).integers(0, vocab, size=(count, length))
+    return [{"prompt_token_ids": row} for row in ids.tolist()]
+
+
+def timed(llm: LLM, prompts: list, tokens: int) -> float:
+    """Seconds for ``llm.generate`` of ``tokens`` greedy tokens each (EOS ignored, no detokenising)."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate(prompts, params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+class Recorder:
+    """Collects cells and prints each as a JSON line when it completes."""
+
+    def __init__(self):
+        self.cells: list[dict] = []
+
+    def emit(self, cell: dict) -> None:
+        self.cells.append(cell)
+        print(json.dumps(cell), flush=True)
+
+    def not_run(self, base: dict, batches: list[int], status: str, reasons: dict[int, str] | str,
+                prefill: bool = False) -> None:
+        """Skipped or failed decode cells (and the prefill cell when ``prefill``)."""
+        why = (lambda b: reasons) if isinstance(reasons, str) else reasons.get
+        key = "reason" if status == "skipped" else "error"
+        if prefill and batches:
+            self.emit({**base, "cell": "prefill", "batch": max(batches), "status": status, key: why(max(batches))})
+        for b in batches:
+            self.emit({**base, "cell": "decode", "batch": b, "status": status, key: why(b)})
+
+
+def measure_prefill(llm: LLM, prompts: list, context: int, warm_up: bool, base: dict) -> dict:
+    """Warm up on an unrelated prompt (``warm_up``), then prefill ``prompts`` once
+    (max_tokens=1), which also fills the prefix cache; the prefill cell."""
+    engine = llm.llm_engine
+    if warm_up:  # Triton compiles outside the timed prefill
+        timed(llm, random_prompts(engine.arch.vocab_size, 1, min(context, 1024), seed=1), 2)
+    seconds = timed(llm, prompts, 1)
+    batch = len(prompts)
+    flops = prefill_flops(engine.runner.model, engine.arch, batch, context)
+    per_token, head = prefill_params(engine.runner.model, engine.arch)
+    return {**base, "cell": "prefill", "batch": batch, "status": "ok", "seconds": seconds,
+            "tok_s": batch * context / seconds, "flops": flops, "tflops": flops / seconds / 1e12,
+            "fraction_of_peak": flops / seconds / PEAK_FLOPS, "params_per_token": per_token, "head_params": head,
+            "attention_flops_per_token": attention_flops_per_token(engine.arch, context)}
+
+
+def measure_decode(llm: LLM, prompts: list, batch: int, context: int, args, rows: dict, base: dict) -> dict:
+    """Decode ms per step of the first ``batch`` prompts (prefix hits) and its HBM floor."""
+    engine = llm.llm_engine
+    ws = prompts[:batch]
+    full = statistics.median(timed(llm, ws, args.new) for _ in range(args.repeats))
+    one = statistics.median(timed(llm, ws, 1) for _ in range(args.repeats))
+    ms = 1e3 * (full - one) / (args.new - 1)
+    weights = decode_weight_bytes(engine.runner.model, engine.arch, batch)
+    cache = decode_cache_bytes(engine.arch, rows, batch, context)
+    floor_ms = 1e3 * (weights + cache) / BANDWIDTH
+    return {**base, "cell": "decode", "batch": batch, "status": "ok", "decode_ms": ms, "floor_ms": floor_ms,
+            "floor_fraction": floor_ms / ms if ms > 0 else None, "weight_bytes": weights, "cache_bytes": cache,
+            "t_new_s": full, "t_one_s": one, "graphs": engine.runner.graphs is not None,
+            "async_scheduling": engine.async_scheduling}
+
+
+def measure_engine(llm: LLM, context: int, batches: list[int], args, rec: Recorder, base: dict) -> None:
+    """The prefill cell and a decode cell per batch of one engine (the batches whose sequences
+    fit its block pool; the others are recorded as skipped)."""
+    engine = llm.llm_engine
+    base.update(mechanism_arch=engine.arch.mechanism.value, kv_cache_dtype=engine.parts.plan.kv_cache_dtype,
+                block_size=engine.config.cache.block_size)
+    todo, reasons = kv_postcheck(llm, batches)
+    rec.not_run(base, [b for b in batches if b not in todo], "skipped", reasons)
+    if not todo:
+        return
+    rows = cache_rows(engine.runner.model)
+    check_rows(rows, engine.parts.plan)
+    base["cache_row_bytes"] = rows[min(rows)]
+    prompts = random_prompts(engine.arch.vocab_size, max(todo), context, seed=context)
+    rec.emit(measure_prefill(llm, prompts, context, not args.smoke, base))  # nothing compiles in smoke
+    for b in todo:
+        rec.emit(measure_decode(llm, prompts, b, context, args, rows, base))
+
+
+def not_fitting(error: Exception) -> bool:
+    """Whether building an engine failed because the configuration does not fit this device
+    (out of memory, the engine's KV cache checks, no backend for it) rather than by a bug."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, BackendSelectionError)):
+        return True
+    return isinstance(error, ValueError) and "KV cache" in str(error)
+
+
+def run_context(case: Case, path: str, context: int, batches: list[int], args, rec: Recorder) -> None:
+    """One engine for ``case`` at ``context``: the prefill cell and a decode cell per batch."""
+    base = {"case": case.name, "mechanism": case.mechanism, "backend": case.backend, "context": context}
+    kwargs = engine_kwargs(args, case, context, max(batches))
+    try:
+        fit, reasons = kv_precheck(path, kwargs, batches)
+    except ValueError as e:  # a plan the engine would refuse (e.g. fp8 rows this rank cannot tile)
+        rec.not_run(base, batches, "skipped", f"{type(e).__name__}: {e}", prefill=True)
+        return
+    rec.not_run(base, [b for b in batches if b not in fit], "skipped", reasons)
+    if not fit:
+        return
+    kwargs["max_num_seqs"] = max(fit)
+    try:
+        llm = LLM(path, **kwargs)
+    except Exception as e:
+        unfit = not_fitting(e)
+        if not unfit:
+            traceback.print_exc()
+        rec.not_run(base, fit, "skipped" if unfit else "failed", f"{type(e).__name__}: {e}", prefill=True)
+        return
+    try:
+        measure_engine(llm, context, fit, args, rec, base)
+    except Exception as e:  # the engine may be left mid-request: the rest of this context is not run
+        traceback.print_exc()
+        done = {(c["cell"], c["batch"]) for c in rec.cells if (c["case"], c["context"]) == (case.name, context)}
+        rec.not_run(base, [b for b in fit if ("decode", b) not in done], "failed", f"{type(e).__name__}: {e}",
+                    prefill=not any(kind == "prefill" for kind, _ in done))
+    finally:  # nothing else holds the engine: its memory goes back before the next one is sized
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# --- output -------------------------------------------------------------------------------
+
+
+def environment() -> dict:
+    """Versions, device and commit of this run."""
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    cuda = torch.cuda.is_available()
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "commit": commit,
+            "date": datetime.date.today().isoformat(), "command": command_line()}
+
+
+def command_line() -> str:
+    return " ".join(["python", "benchmarks/gpu_mechanisms.py", *sys.argv[1:]])
+
+
+def _fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def markdown_table(cells: list[dict]) -> str:
+    """One row per decode cell, the prefill figures on the row of the batch that was prefilled;
+    then the reasons of the cells that did not run."""
+    prefill = {(c["case"], c["context"], c["batch"]): c for c in cells if c["cell"] == "prefill"}
+    lines = ["| case | mechanism | backend | batch | context | decode ms | floor ms | % of floor | graphs "
+             "| prefill tok/s | prefill % of 790 TF |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    notes: list[str] = []
+    for c in (c for c in in_grid_order(cells) if c["cell"] == "decode"):
+        p = prefill.get((c["case"], c["context"], c["batch"]), {})
+        if c["status"] == "ok":
+            frac = c["floor_fraction"]
+            decode = [f"{c['decode_ms']:.2f}", f"{c['floor_ms']:.2f}", _fmt(frac and 100 * frac, ".0f"),
+                      "yes" if c["graphs"] else "no"]
+        else:
+            note = c.get("reason") or c.get("error")
+            if note not in notes:
+                notes.append(note)
+            decode = [f"{c['status']} ({notes.index(note) + 1})", "", "", ""]
+        pre = [f"{p['tok_s']:,.0f}", f"{100 * p['fraction_of_peak']:.1f}"] if p.get("status") == "ok" else ["", ""]
+        lines.append("| " + " | ".join([c["case"], c["mechanism"], c["backend"], str(c["batch"]),
+                                         size_label(c["context"]), *decode, *pre]) + " |")
+    if notes:
+        lines += [""] + [f"({i}) {n}" for i, n in enumerate(notes, 1)]
+    return "\n".join(lines)
+
+
+def docs_block(table: str, env: dict, cells: list[dict]) -> str:
+    """The text between the markers: a one-line header, then the table."""
+    asyncs = sorted({c["async_scheduling"] for c in cells if c.get("async_scheduling") is not None})
+    mode = {(True,): "on", (False,): "off"}.get(tuple(asyncs), "mixed")
+    header = (f"{env['device']}, {env['date']}, `{env['command']}` ({env.get('weights', 'dummy')} weights, "
+              f"async scheduling {mode}; decode ms per step on prefix hits, floor = bytes read at 4.25 TB/s):")
+    return f"{header}\n\n{table}"
+
+
+def rewrite_docs(path: str | Path, block: str) -> None:
+    """Put ``block`` between the markers of the markdown file at ``path``, or append a new section
+    with the markers when they are missing."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    start, end = text.find(MARK_BEGIN), text.find(MARK_END)
+    body = f"{MARK_BEGIN}\n{block}\n{MARK_END}"
+    if start >= 0 and end > start:
+        text = text[:start] + body + text[end + len(MARK_END):]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + f"{DOCS_TITLE}\n\n{body}\n"
+    path.write_text(text)
+
+
+def smoke_checks(cells: list[dict], block: str, out: str | None) -> None:
+    """The docs rewrite on a temporary file (appended once, then replaced in place), the JSON
+    output read back through ``--render``'s loader, and a floor and a FLOP count in every cell."""
+    for c in cells:
+        if c["status"] == "ok" and not (c.get("floor_ms", 0) > 0 or c.get("flops", 0) > 0):
+            raise SystemExit(f"no floor or FLOP count in {cell_key(c)}")
+    if out:
+        again, _ = load_results([str(Path(out, JSON_NAME))])
+        if sorted(map(cell_key, again)) != sorted(map(cell_key, cells)):
+            raise SystemExit("the JSON output does not read back to the same cells")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "performance.md")
+        path.write_text("# Performance notes\n\nSome text.\n")
+        rewrite_docs(path, "placeholder")
+        rewrite_docs(path, block)
+        text = path.read_text()
+        if text.count(MARK_BEGIN) != 1 or text.count(DOCS_TITLE) != 1 or block not in text or "placeholder" in text:
+            raise SystemExit("the docs rewrite did not replace the section between the markers")
+        if not text.startswith("# Performance notes\n\nSome text.\n"):
+            raise SystemExit("the docs rewrite changed the text before the section")
+
+
+# --- main ---------------------------------------------------------------------------------
+
+
+# option defaults on the device and in the smoke run (an option given on the command line wins)
+DEFAULTS = {"batches": "1,8,64", "contexts": "1K,8K,32K,64K,128K", "dsa_long_batches": "1,32", "experts": 16,
+            "new": 64, "repeats": 3, "block_size": None}
+SMOKE_DEFAULTS = {"batches": "1,2", "contexts": "32,64", "dsa_long_batches": "1", "experts": SMOKE_EXPERTS,
+                  "new": 3, "repeats": 1, "block_size": 8}  # blocks of 8: t(1) recomputes the last block
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    ap.add_argument("--batches", help=f"comma list (default {DEFAULTS['batches']})")
+    ap.add_argument("--contexts", help=f"comma list, K = 1024 (default {DEFAULTS['contexts']}; above "
+                                       f"{LONG_CONTEXT // 1024}K: DSA cases only)")
+    ap.add_argument("--dsa-long-batches", help=f"batches of the DSA contexts above {LONG_CONTEXT // 1024}K "
+                                               f"(default {DEFAULTS['dsa_long_batches']})")
+    ap.add_argument("--experts", type=int, help="routed experts of the DeepSeek/GLM cuts (default 16)")
+    ap.add_argument("--new", type=int, help="new tokens of the timed decode (default 64)")
+    ap.add_argument("--repeats", type=int, help="timings per measurement, their median (default 3)")
+    ap.add_argument("--block-size", type=int, help="the engine's block_size (default: its own)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--docs", help="markdown file whose gpu_mechanisms section to rewrite")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU under Triton's interpreter")
+    ap.add_argument("--render", nargs="+", metavar="JSON",
+                    help="run nothing: merge these outputs of earlier runs (later ones win) into the table")
+    args = ap.parse_args()
+    for key, value in (SMOKE_DEFAULTS if args.smoke else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
+    if args.new < 2:
+        ap.error("--new must be at least 2 (the decode time is t(N) - t(1))")
+    return args
+
+
+def run_grid(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Every (case, context) engine of the grid; (cells, environment)."""
+    batches, contexts = parse_sizes(args.batches), parse_sizes(args.contexts)
+    long_batches = parse_sizes(args.dsa_long_batches)
+    rec = Recorder()
+    started = time.perf_counter()
+    cases = {}
+    for name in args.cases.split(","):
+        case = CASES[name]
+        path, changed = model_dir(case, args.experts, args.smoke)
+        cases[name] = {"config": case.config, "backend": case.backend, "mechanism": case.mechanism,
+                       "overrides": changed}
+        try:
+            for context, bs in grid(case, batches, contexts, long_batches):
+                run_context(case, path, context, bs, args, rec)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    env = environment()
+    env["seconds"] = time.perf_counter() - started
+    env["weights"] = "dummy float32" if args.smoke else "dummy bf16"
+    env["cases"] = cases
+    return rec.cells, env
+
+
+def cell_key(cell: dict) -> tuple:
+    return cell["cell"], cell["case"], cell["context"], cell["batch"]
+
+
+def in_grid_order(cells) -> list[dict]:
+    """Cells by case (in CASES order), context, prefill first, batch."""
+    order = list(CASES)
+    return sorted(cells, key=lambda c: (order.index(c["case"]) if c["case"] in order else len(order),
+                                        c["context"], c["cell"] != "prefill", c["batch"]))
+
+
+def load_results(paths: list[str]) -> tuple[list[dict], dict]:
+    """The cells of earlier JSON outputs, a later file's cell replacing an earlier one's at the
+    same (cell, case, context, batch), in grid order; and an environment naming every command
+    (the device and versions of the last file)."""
+    merged: dict[tuple, dict] = {}
+    envs = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        envs.append(data["environment"])
+        for cell in data["cells"]:
+            merged[cell_key(cell)] = cell
+    cells = in_grid_order(merged.values())
+    env = dict(envs[-1])
+    env["date"] = max(e["date"] for e in envs)
+    env["command"] = "; ".join(dict.fromkeys(e["command"] for e in envs))
+    env["cases"] = {k: v for e in envs for k, v in e.get("cases", {}).items()}
+    env["merged_from"] = list(paths)
+    return cells, env
+
+
+def main() -> None:
+    args = parse_args()
+    if args.render:
+        cells, env = load_results(args.render)
+    elif not args.smoke and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --smoke)")
+    else:
+        cells, env = run_grid(args)
+    out = os.environ.get("OUT")
+    if out:
+        options = {k: v for k, v in vars(args).items() if k != "docs"}
+        Path(out, JSON_NAME).write_text(json.dumps({"environment": env, "options": options, "cells": cells},
+                                                   indent=2))
+    block = docs_block(markdown_table(cells), env, cells)
+    print(f"\n{block}")
+    if args.docs:
+        rewrite_docs(args.docs, block)
+    if args.smoke:
+        smoke_checks(cells, block, out)
+    if args.render:
+        return
+    bad = [c for c in cells if c["status"] == "failed" or (args.smoke and c["status"] != "ok")]
+    if bad or not cells:  # a smoke run must run every cell
+        sys.exit(f"{len(bad)} cells did not run: " + "; ".join(sorted({c.get("error") or c.get("reason")
+                                                                        for c in bad})) if bad else "no cell ran")
+
+
+if __name__ == "__main__":
+    main()
