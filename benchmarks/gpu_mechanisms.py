@@ -53,6 +53,14 @@ Prefill FLOPs of b prompts of C tokens: b * (C * (2 * P + A) + 2 * H), with
 
 Achieved TFLOP/s is against the measured 790 TFLOP/s bf16 matrix product.
 
+A decode step also has a FLOP floor, its FLOPs at 790 TFLOP/s: 2 * (P + H) per token for the
+weights plus the attention of each token over its keys in the form the backends decode (GQA
+2 * heads * (d_qk + d_v) a key; MLA absorbed, 2 * heads * (2 * kv_lora_rank + rope) a key, so 128
+heads do 278 KFLOP per 1,152-byte row: 242 FLOP/B, above the H200's 186, and dense MLA decode at
+128 heads is compute-bound before it is bandwidth-bound; DSA the same over min(context, topk)
+keys, plus the indexer's 2 * n_heads * head_dim per scored key). The table gives both floors and
+the fraction of the larger one reached.
+
     python benchmarks/gpu_mechanisms.py [--cases dsv32,glm5] [--batches 1,8] [--contexts 8K,128K]
         [--dsa-long-batches 1,32] [--experts 16] [--new 64] [--kv-cache-dtype fp8] [--block-size 64]
         [--max-num-batched-tokens 16384] [--docs docs/performance.md] [--smoke]
@@ -305,6 +313,34 @@ def attention_flops_per_token(arch: ModelArch, context: int) -> float:
     return total
 
 
+def decode_attention_flops(arch: ModelArch, context: int) -> float:
+    """Attention FLOPs of one decode token over ``context`` keys, summed over layers, in the form
+    the backends decode: GQA 2 * heads * (d_qk + d_v) per key; MLA absorbed (one latent KV head,
+    ``kv_lora_rank + rope`` wide keys, ``kv_lora_rank`` wide values) 2 * heads * (L + R + L) per
+    key; DSA the same over min(context, topk) keys plus the indexer's 2 * n_heads * head_dim per
+    context key where it scores."""
+    total = 0.0
+    for s in arch.layers:
+        if s.kind in (LayerKind.FULL, LayerKind.SLIDING):
+            total += 2 * s.num_heads * (s.head_size + s.head_size_v) * min(context, s.window or context)
+        elif s.kind is LayerKind.MLA:
+            total += 2 * s.num_heads * (s.mla.latent_dim + s.mla.kv_lora_rank) * context
+        elif s.kind is LayerKind.SPARSE_MLA:
+            idx = s.indexer
+            total += 2 * s.num_heads * (s.mla.latent_dim + s.mla.kv_lora_rank) * min(context, idx.topk)
+            if idx.has_cache and context > idx.topk:
+                total += 2 * idx.n_heads * idx.head_dim * context
+        else:
+            raise ValueError(f"layer {s.index}: no FLOP count for {s.kind.value} layers")
+    return total
+
+
+def decode_flops(model: nn.Module, arch: ModelArch, batch: int, context: int) -> float:
+    """FLOPs of one decode step of ``batch`` tokens: 2 * (P + H) + attention, per token."""
+    per_token, head = prefill_params(model, arch)
+    return batch * (2 * (per_token + head) + decode_attention_flops(arch, context))
+
+
 def prefill_flops(model: nn.Module, arch: ModelArch, batch: int, context: int) -> float:
     """FLOPs of prefilling ``batch`` prompts of ``context`` tokens: b * (C * (2P + A) + 2H)."""
     per_token, head = prefill_params(model, arch)
@@ -494,8 +530,12 @@ def measure_decode(llm: LLM, prompts: list, batch: int, context: int, args, rows
     weights = decode_weight_bytes(engine.runner.model, engine.arch, batch)
     cache = decode_cache_bytes(engine.arch, rows, batch, context)
     floor_ms = 1e3 * (weights + cache) / BANDWIDTH
+    flops = decode_flops(engine.runner.model, engine.arch, batch, context)
+    flop_ms = 1e3 * flops / PEAK_FLOPS
+    bound = max(floor_ms, flop_ms)
     return {**base, "cell": "decode", "batch": batch, "status": "ok", "decode_ms": ms, "floor_ms": floor_ms,
-            "floor_fraction": floor_ms / ms if ms > 0 else None, "weight_bytes": weights, "cache_bytes": cache,
+            "floor_fraction": floor_ms / ms if ms > 0 else None, "flop_floor_ms": flop_ms, "decode_flops": flops,
+            "bound_fraction": bound / ms if ms > 0 else None, "weight_bytes": weights, "cache_bytes": cache,
             "t_new_s": full, "t_one_s": one, "graphs": engine.runner.graphs is not None,
             "async_scheduling": engine.async_scheduling}
 
@@ -592,21 +632,23 @@ def markdown_table(cells: list[dict]) -> str:
     """One row per decode cell, the prefill figures on the row of the batch that was prefilled;
     then the reasons of the cells that did not run."""
     prefill = {(c["case"], c["context"], c["batch"]): c for c in cells if c["cell"] == "prefill"}
-    lines = ["| case | mechanism | backend | batch | context | decode ms | floor ms | % of floor | graphs "
-             "| prefill tok/s | prefill % of 790 TF |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    lines = ["| case | mechanism | backend | batch | context | decode ms | HBM floor ms | % of HBM floor "
+             "| FLOP floor ms | % of max floor | graphs | prefill tok/s | prefill % of 790 TF |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     notes: list[str] = []
     for c in (c for c in in_grid_order(cells) if c["cell"] == "decode"):
         p = prefill.get((c["case"], c["context"], c["batch"]), {})
         if c["status"] == "ok":
             frac = c["floor_fraction"]
+            bound = c.get("bound_fraction")
             decode = [f"{c['decode_ms']:.2f}", f"{c['floor_ms']:.2f}", _fmt(frac and 100 * frac, ".0f"),
+                      _fmt(c.get("flop_floor_ms"), ".2f"), _fmt(bound and 100 * bound, ".0f"),
                       "yes" if c["graphs"] else "no"]
         else:
             note = c.get("reason") or c.get("error")
             if note not in notes:
                 notes.append(note)
-            decode = [f"{c['status']} ({notes.index(note) + 1})", "", "", ""]
+            decode = [f"{c['status']} ({notes.index(note) + 1})", "", "", "", "", ""]
         pre = [f"{p['tok_s']:,.0f}", f"{100 * p['fraction_of_peak']:.1f}"] if p.get("status") == "ok" else ["", ""]
         lines.append("| " + " | ".join([c["case"], c["mechanism"], c["backend"], str(c["batch"]),
                                          size_label(c["context"]), *decode, *pre]) + " |")
