@@ -1,18 +1,18 @@
 """Decode steps with and without CUDA graphs, for each graph-safe backend, through ``LLM(...)``.
 
 Real configs cut to 4 full-width layers, dummy bf16 weights: Llama-3.1-8B (TRITON_ATTN) and
-DeepSeek-V3 (TRITON_MLA; 1 dense + 3 MoE layers of 16 routed experts), in a bf16 and an fp8
-latent cache. ``B`` requests of ``C`` prompt tokens each, then ``N`` greedy tokens, once with
+DeepSeek-V3 (TRITON_MLA) and DeepSeek-V3.2 (TRITON_MLA_SPARSE: indexer, top-k and sparse MLA),
+each 1 dense + 3 MoE layers of 16 routed experts, in a bf16 and an fp8 latent cache. ``B`` requests of ``C`` prompt tokens each, then ``N`` greedy tokens, once with
 CUDA graphs (the default) and once with ``enforce_eager``: the ms per decode step is
 ``(time(N tokens) - time(1 token)) / (N - 1)`` on prefix-cache hits (so the prefill is only the
 prompt's last block), the median of three; the greedy tokens of the two runs are compared
 (bf16: the graphs' split count follows ``max_model_len``, eager's the batch's longest sequence,
 so a near-tie may flip).
 
-    python benchmarks/gpu_graphs.py [--smoke] [--batch 8] [--context 8192]
+    python benchmarks/gpu_graphs.py [--smoke] [--batch 8] [--context 8192] [--cases dsv32_4l,...]
 
 ``--smoke``: tiny configs on CPU in float32 (no graphs there: both runs are eager), so CI
-catches a broken script. Writes ``$OUT/gpu_graphs.json`` when ``OUT`` is set.
+catches a broken script; by default only the Llama and V3.2 cases. Writes ``$OUT/gpu_graphs.json`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
@@ -36,17 +36,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from attnserve import LLM, SamplingParams  # noqa: E402
 from attnserve.presets import resolve_config_path  # noqa: E402
 
+CUT = {"num_hidden_layers": 4, "first_k_dense_replace": 1, "n_routed_experts": 16, "n_group": 8, "topk_group": 4}
 CASES = {  # name -> (config, overrides, backend, engine options)
     "llama8b_4l": ("meta-llama/Llama-3.1-8B-Instruct", {"num_hidden_layers": 4}, "TRITON_ATTN", {}),
-    "dsv3_4l": ("deepseek-ai/DeepSeek-V3", {"num_hidden_layers": 4, "first_k_dense_replace": 1,
-                                            "n_routed_experts": 16, "n_group": 8, "topk_group": 4}, "TRITON_MLA", {}),
-    "dsv3_4l_fp8": ("deepseek-ai/DeepSeek-V3", {"num_hidden_layers": 4, "first_k_dense_replace": 1,
-                                                "n_routed_experts": 16, "n_group": 8, "topk_group": 4},
-                    "TRITON_MLA", {"kv_cache_dtype": "fp8"}),
+    "dsv3_4l": ("deepseek-ai/DeepSeek-V3", CUT, "TRITON_MLA", {}),
+    "dsv3_4l_fp8": ("deepseek-ai/DeepSeek-V3", CUT, "TRITON_MLA", {"kv_cache_dtype": "fp8"}),
+    "dsv32_4l": ("deepseek-ai/DeepSeek-V3.2", CUT, "TRITON_MLA_SPARSE", {}),
+    "dsv32_4l_fp8": ("deepseek-ai/DeepSeek-V3.2", CUT, "TRITON_MLA_SPARSE", {"kv_cache_dtype": "fp8"}),
 }
 SMOKE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "kv_lora_rank": 128,
-         "q_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 16}
+         "q_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 16,
+         "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}
 
 
 def model_dir(name: str, overrides: dict, smoke: bool) -> str:
@@ -95,12 +96,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--cases", default=None, help="comma-separated subset of " + ",".join(CASES))
     args = ap.parse_args()
+    # the smoke run covers the standard and the sparse-MLA graph hooks (the MLA ones: tests/kernels)
+    args.cases = args.cases or ("llama8b_4l,dsv32_4l" if args.smoke else ",".join(CASES))
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}")
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         args.batch, args.context, args.new = 2, 40, 4
     rows = []
-    for name, (config, overrides, backend, engine) in CASES.items():
+    for name in args.cases.split(","):
+        config, overrides, backend, engine = CASES[name]
         path = model_dir(config, overrides, args.smoke)
         graphs_ms, graph_tokens, graphed = decode_ms(path, backend, engine, False, args.batch, args.context,
                                                      args.new, args.smoke)

@@ -12,8 +12,11 @@
   the model dtype or as the 132-byte fp8 rows (e4m3 values, then the fp32 scale applied per key).
 - ``lightning_indexer_topk``: prepares the head weights (and, for an fp8 cache, the Hadamard
   rotation and per-(token, head) fp8 quantisation of q, in PyTorch), runs ``indexer_logits``
-  and keeps the best ``topk`` per row with ``torch.topk``; -inf picks become -1. When no row
-  can see more than ``topk`` keys, every visible key is selected and nothing is scored.
+  and keeps the best ``topk`` per row: decode rows with ``ops/triton_topk.topk_rows`` (radix
+  select reading each row only up to its length, so a CUDA graph's ``max_model_len`` columns
+  cost nothing past it), prefill rows with ``torch.topk`` (faster over many full-width rows:
+  H200, 512 rows of 32K, 260 us against 470); unused slots are -1. When no row can see more
+  than ``topk`` keys, every visible key is selected and nothing is scored.
 
 Not here: writing the caches (``backends/torch_mla_sparse``), projections and RoPE. The
 PyTorch twins are ``attention.reference_mla.sparse_mla_attention`` and ``indexer_topk``.
@@ -40,6 +43,7 @@ from attnserve.ops.triton_mla import (
     prepare_latent_launch,
     store_latent_rows,
 )
+from attnserve.ops.triton_topk import topk_rows
 
 __all__ = [
     "IndexerConfig",
@@ -172,12 +176,14 @@ def _indexer_tile(q, w, key_tile, q_pos, tok, tok_ok, q_start, seq_len, width, b
                   ks_ptr, out_ptr, dot_scale, stride_ot, s_kb, s_ks, s_sb, s_ss,
                   H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr,
-                  DT: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores of BLOCK_T tokens over key tile ``key_tile``, stored (-inf where not visible)."""
+                  DT: tl.constexpr, PRECISION: tl.constexpr, FILL_HIDDEN: tl.constexpr):
+    """Scores of BLOCK_T tokens over key tile ``key_tile``, stored (-inf where not visible);
+    a tile no token sees is stored as -inf only when FILL_HIDDEN."""
     s_pos = key_tile * BLOCK_S + tl.arange(0, BLOCK_S)
     visible = (s_pos[None, :] <= q_pos[:, None]) & (s_pos[None, :] < seq_len)  # [BLOCK_T, BLOCK_S]
     logits = tl.full([BLOCK_T, BLOCK_S], float("-inf"), dtype=tl.float32)
-    if key_tile * BLOCK_S <= tl.minimum(tl.max(q_pos, 0), seq_len - 1):  # some key is visible
+    seen = key_tile * BLOCK_S <= tl.minimum(tl.max(q_pos, 0), seq_len - 1)  # some key is visible
+    if seen:
         d = tl.arange(0, D_PAD)
         key_ok = s_pos < seq_len
         blk = tl.load(bt_row + s_pos // PAGE, mask=key_ok, other=0).to(tl.int64)
@@ -192,7 +198,10 @@ def _indexer_tile(q, w, key_tile, q_pos, tok, tok_ok, q_start, seq_len, width, b
             total = total * k_scale[None, :]
         logits = tl.where(visible, total, float("-inf"))
     out = out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + s_pos[None, :]
-    tl.store(out, logits, mask=tok_ok[:, None] & (s_pos[None, :] < width))
+    keep = tok_ok[:, None] & (s_pos[None, :] < width)
+    if not FILL_HIDDEN:
+        keep = keep & seen
+    tl.store(out, logits, mask=keep)
 
 
 @triton.jit(do_not_specialize=("num_seqs", "width", "stride_bt"),  # per step
@@ -203,7 +212,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr, bt_ptr, qsl_ptr, seq_l
                     D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, KEY_TILES: tl.constexpr,
                     FP8: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
-                    DECODE_ONLY: tl.constexpr):
+                    DECODE_ONLY: tl.constexpr, FILL_HIDDEN: tl.constexpr):
     q_block_id = tl.program_id(0)
     if DECODE_ONLY:  # one token per request: program i is request i
         seq = q_block_id
@@ -216,6 +225,8 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr, bt_ptr, qsl_ptr, seq_l
     if q_block * BLOCK_T >= q_len:  # spare program
         return
     seq_len = tl.load(seq_lens_ptr + seq)
+    if not FILL_HIDDEN and tl.program_id(1) * BLOCK_S >= seq_len:  # its first tile is past the keys
+        return
     tok = q_block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] within the request
     tok_ok = tok < q_len
     q_pos = tl.load(pos_ptr + q_start + tok, mask=tok_ok, other=-1)
@@ -229,11 +240,11 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr, bt_ptr, qsl_ptr, seq_l
                 mask=row_ok[:, None] & (d[None, :] < D), other=0.0).to(DT)
     w = tl.load(w_ptr + r_tok * stride_wt + head, mask=row_ok, other=0.0)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for j in range(KEY_TILES):
-        _indexer_tile(q, w, tl.program_id(1) * KEY_TILES + j, q_pos, tok, tok_ok, q_start,
+    for j in range(KEY_TILES):  # strided, so a short sequence in a wide grid spreads over programs
+        _indexer_tile(q, w, tl.program_id(1) + j * tl.num_programs(1), q_pos, tok, tok_ok, q_start,
                       seq_len, width, bt_row, k_ptr, ks_ptr, out_ptr, dot_scale, stride_ot, s_kb,
                       s_ks, s_sb, s_ss, H_PAD, D, D_PAD, PAGE, BLOCK_T, BLOCK_S, FP8, DT,
-                      PRECISION)
+                      PRECISION, FILL_HIDDEN)
 # fmt: on
 
 
@@ -296,6 +307,7 @@ def indexer_logits(
     max_query_len: int,
     dot_scale: float,
     config: IndexerConfig | None = None,
+    fill_hidden: bool = True,
 ) -> torch.Tensor:
     """Index scores ``I[t, s] = sum_h head_weights[t, h] * relu(dot_scale * q[t, h] . k[s])``
     (times the key's scale for an fp8 cache), -inf where ``s > pos(t)`` or ``s >= seq_len``.
@@ -310,6 +322,10 @@ def indexer_logits(
         width: columns of the result (>= every visible key); max_query_len: host bound.
         dot_scale: multiplies q . k before the ReLU (D^-0.5 exact, 1 for fp8).
         config: launch shape; default ``pick_indexer_config``.
+        fill_hidden: write -inf over key tiles no token of a block sees (past a sequence's
+            length or every token's position); False leaves them unwritten, for a reader that
+            stops at each row's visible length (``topk_rows``), which saves the writes of a
+            width much larger than the sequences (a CUDA graph's ``max_model_len``).
     Returns:
         [T, width] float32 logits.
     """
@@ -339,7 +355,8 @@ def indexer_logits(
         H=heads, H_PAD=_pow2(heads, max(1, 16 // cfg.block_t)), D=dim, D_PAD=_pow2(dim, 16),
         PAGE=index_cache.shape[1], BLOCK_T=cfg.block_t, BLOCK_S=cfg.block_s,
         KEY_TILES=key_tiles, FP8=fp8, DT=dt, PRECISION="ieee" if dt == tl.float32 else "tf32",
-        DECODE_ONLY=decode_only, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DECODE_ONLY=decode_only, FILL_HIDDEN=fill_hidden, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     # fmt: on
     return out
@@ -391,8 +408,10 @@ def lightning_indexer_topk(
         topk: output width; max_query_len, max_seq_len: host-side bounds.
         config: launch shape of the logits kernel.
     Returns:
-        [T, topk] int32 absolute positions, -1 in unused slots. Scored rows come best first;
-        when ``max_seq_len <= topk`` every visible key is selected, in position order.
+        [T, topk] int32 absolute positions, -1 in unused slots; a set: decode rows come in
+        increasing order (``topk_rows``), prefill rows best first (``torch.topk``); when
+        ``max_seq_len <= topk`` every visible key is selected without scoring. No host
+        synchronisation: a decode batch can be captured in a CUDA graph.
     """
     if max_seq_len <= topk:  # every visible key makes the cut: no scores needed
         cols = torch.arange(topk, device=q.device)
@@ -405,11 +424,16 @@ def lightning_indexer_topk(
         dot_scale = 1.0
     else:
         q_in, head_weights, dot_scale = q, weights.float() * heads**-0.5, dim**-0.5
+    decode = max_query_len == 1
     # fmt: off
     logits = indexer_logits(
         q_in, head_weights.contiguous(), index_cache, block_table, query_start_loc, seq_lens,
         positions, width=max_seq_len, max_query_len=max_query_len, dot_scale=dot_scale,
-        config=config,
+        config=config, fill_hidden=not decode,
     )
     # fmt: on
-    return topk_from_logits(logits, topk)
+    if not decode:  # many full-width rows: torch.topk's multi-block select is faster there
+        return topk_from_logits(logits, topk)
+    # decode rows read only up to their own length (a CUDA graph's width is max_model_len);
+    # one request per row, and a decode token is its request's last position
+    return topk_rows(logits, torch.minimum(positions + 1, seq_lens.to(positions.dtype)), topk)

@@ -77,12 +77,14 @@ def write_indexer_rows(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch
         slot_mapping: [T] int64.
     """
     flat = cache.view(-1, cache.shape[-1])  # [num_slots, row width]
-    keep = slot_mapping >= 0
-    kept = k[keep]
-    rows = quantize_indexer_fp8(kept) if cache.dtype == torch.uint8 else kept.to(cache.dtype)
+    rows = quantize_indexer_fp8(k) if cache.dtype == torch.uint8 else k.to(cache.dtype)
     if rows.shape[-1] != flat.shape[-1]:
         raise ValueError(f"indexer rows of {rows.shape[-1]} do not fit a cache of {flat.shape[-1]}")
-    flat.index_copy_(0, slot_mapping[keep], rows)
+    # no boolean indexing (a CUDA graph cannot replay a data-dependent size): a row with slot -1
+    # rewrites slot 0, a row of the null block that no token owns, with what it holds
+    slots = slot_mapping.clamp(min=0)
+    rows = torch.where((slot_mapping >= 0)[:, None], rows, flat.index_select(0, slots))
+    flat.index_copy_(0, slots, rows)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, key_rows: torch.Tensor) -> torch.Tensor:

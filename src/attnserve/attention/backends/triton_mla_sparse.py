@@ -6,7 +6,7 @@ docstring defines the two calls a sparse layer makes:
 1. ``select_topk``: stores the new indexer keys (``write_indexer_rows``: model dtype or
    132-byte fp8 rows), then ``ops/triton_mla_sparse.lightning_indexer_topk`` scores every
    visible key in one kernel (exact over a model-dtype cache, DeepSeek's fp8 formula over an
-   fp8 cache) and keeps the best ``topk`` with ``torch.topk``. Decodes are one batched call;
+   fp8 cache) and keeps the best ``topk`` by radix select (``ops/triton_topk.py``). Decodes are one batched call;
    prefills one request at a time, in query chunks that bound the [Q, S] logits. Rows that
    see at most ``topk`` keys select all of them without scoring, in position order (the
    selection is a set: attention does not depend on its order).
@@ -59,6 +59,11 @@ def _chunks(start: int, end: int, per_item: int):
 
 class TritonMLASparseBackend(AttentionBackend):
     name = "TRITON_MLA_SPARSE"
+    # a decode batch's metadata only slices the common tensors (its token -> request map is
+    # 0..B-1, built once per bucket), host bounds are fixed at capture (the indexer scores
+    # ``max_model_len`` columns, each row's top-k reads only its own length), and rows are
+    # written without boolean indexing: the default graph hooks
+    cuda_graph_safe = True
 
     def build_metadata(
         self, common: CommonAttentionMetadata, group_id: int
