@@ -106,14 +106,23 @@ def num_sms(device: torch.device) -> int:
 
 
 def pick_mla_splits(
-    num_programs: int, num_keys: int, device: torch.device, min_keys: int = 256
+    num_programs: int,
+    num_keys: int,
+    device: torch.device,
+    min_keys: int = 256,
+    *,
+    one_wave: bool = False,
+    max_splits: int = 256,
 ) -> int:
-    """Key splits per program: enough programs for about four waves of SMs, each split at
-    least ``min_keys`` keys, a power of two (few merge kernels get compiled). 1 off CUDA."""
+    """Key splits per program, a power of two (few merge kernels get compiled), each split at
+    least ``min_keys`` keys; 1 off CUDA. Memory-bound launches (few heads) aim at about four
+    waves of SMs; compute-bound ones (``one_wave``: 64+ heads per program) at one wave, since
+    every extra split writes a [heads, L] fp32 partial."""
     if device.type != "cuda" or env.triton_interpret():
         return 1
-    want = triton.cdiv(4 * num_sms(device), max(num_programs, 1))
-    splits = min(want, num_keys // min_keys, 256)
+    programs = max(num_programs, 1)
+    want = num_sms(device) // programs if one_wave else triton.cdiv(4 * num_sms(device), programs)
+    splits = min(want, num_keys // min_keys, max_splits)
     return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
 
 
@@ -349,10 +358,18 @@ def prepare_latent_launch(
     if out is None:
         out = q.new_empty(rows, num_heads, kv_lora_rank)
     if num_splits is None:
-        # each split writes [heads, L] fp32 partials and reads keys of L + R model-dtype values:
-        # at least 16 keys per head keeps the partials under ~1/8 of the keys' bytes (at 128
-        # heads, 256-key splits made the merge cost more than the attention)
-        num_splits = pick_mla_splits(rows * head_blocks, num_keys, q.device, min_keys=max(256, 16 * num_heads))
+        if cfg.block_h >= 64:
+            # many heads, compute-bound: one wave of programs, splits down to one 64-key tile,
+            # at most 32 (H200, 128 heads, bf16, graph-timed: sparse decode of 2,048 keys at
+            # batch 1 / 8 / 32 / 64 took 224 / 229 / 261 / 269 us unsplit and 19 / 48 / 144 /
+            # 269 us at 32 / 8 / 2 / 1 splits; dense batch 1 over 8K keys 726 -> 35 us at 32)
+            num_splits = pick_mla_splits(rows * head_blocks, num_keys, q.device, min_keys=64,
+                                         one_wave=True, max_splits=32)  # fmt: skip
+        else:
+            # each split writes [heads, L] fp32 partials and reads keys of L + R values: at
+            # least 16 keys per head keeps the partials under ~1/8 of the keys' bytes
+            num_splits = pick_mla_splits(rows * head_blocks, num_keys, q.device,
+                                         min_keys=max(256, 16 * num_heads))  # fmt: skip
     part_out = part_lse = out  # unused unless split
     if num_splits > 1:  # [rows, H, splits, L] partial outputs and their lse
         part_out = q.new_empty(rows, num_heads, num_splits, kv_lora_rank, dtype=torch.float32)
