@@ -12,13 +12,15 @@ Real configs cut to 4 full-width layers, dummy bf16 weights, through ``LLM(...)`
 ``--experts N`` sets the routed experts of the three DeepSeek/GLM cuts; ``n_group`` becomes the
 largest divisor of N not above the config's, ``topk_group`` at least enough groups for top-k.
 
-Grid: batch 1 / 8 / 64 x context 1K / 8K / 32K for every case; the DSA cases also 64K and 128K
+Grid: batch 1 / 8 / 64 x context 1K / 8K / 32K for every case; DSA and dense MLA also 64K and 128K
 at the ``--dsa-long-batches`` (1, 32). One engine per (case, context): ``max_num_seqs`` the
 largest batch, ``max_model_len`` context + new tokens + 16. Its largest batch of distinct random
 prompts (no two share a block) runs once with ``max_tokens=1`` after a short warm-up: that is
-the prefill cell, and it fills the prefix cache. Then for each batch b the first b prompts are
-timed with N new tokens and with 1 (prefix hits: only the last block is recomputed), the median
-of ``--repeats`` each: decode ms per step = (t(N) - t(1)) / (N - 1). Before an engine is built,
+the prefill cell, and it fills the prefix cache. Then for each batch b the first b prompts run
+again (prefix hits: only the last block is recomputed) through the engine's ``step``: once
+every request has its first token and 4 more steps have run, N - 16 decode steps are timed
+(synchronised at both ends), the median of ``--repeats``: decode ms per step. (Subtracting a
+1-token ``generate`` from an N-token one left the prefill's variance in the result.) Before an engine is built,
 the KV cache of its batches is checked against the memory left (the plan's bytes per sequence,
 the weights' bytes from the model built on the meta device); after, against the blocks the
 engine really has. A batch that does not fit is recorded as skipped with the reason.
@@ -123,7 +125,7 @@ from attnserve.presets import resolve_config_path  # noqa: E402
 
 BANDWIDTH = 4.25e12  # B/s, measured device copy bandwidth (docs/performance.md)
 PEAK_FLOPS = 790e12  # FLOP/s, measured bf16 matrix product
-LONG_CONTEXT = 32768  # contexts above this run for the DSA cases only, at --dsa-long-batches
+LONG_CONTEXT = 32768  # contexts above this run for the DSA and MLA cases only, at --dsa-long-batches
 GIB = 1024**3
 MARK_BEGIN = "<!-- gpu_mechanisms:begin -->"
 MARK_END = "<!-- gpu_mechanisms:end -->"
@@ -141,7 +143,7 @@ class Case:
     backend: str
     overrides: dict = field(default_factory=dict)
     cut_experts: bool = False  # ``--experts`` sets its routed experts
-    dsa: bool = False  # also runs the long contexts
+    long: bool = False  # also runs the long contexts (DSA, and dense MLA to compare with)
     smoke_overrides: dict = field(default_factory=dict)  # on top of SMOKE
 
 
@@ -155,13 +157,13 @@ CASES = {c.name: c for c in (
          smoke_overrides=ONE_LAYER),
     Case("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B", "MoE", "TRITON_ATTN", {"num_hidden_layers": 4},
          smoke_overrides=ONE_LAYER),
-    Case("dsv3", "deepseek-ai/DeepSeek-V3", "MLA", "TRITON_MLA", DEEPSEEK_CUT, cut_experts=True,
+    Case("dsv3", "deepseek-ai/DeepSeek-V3", "MLA", "TRITON_MLA", DEEPSEEK_CUT, cut_experts=True, long=True,
          smoke_overrides=ONE_MOE_LAYER),
     Case("dsv32", "deepseek-ai/DeepSeek-V3.2", "DSA", "TRITON_MLA_SPARSE", DEEPSEEK_CUT, cut_experts=True,
-         dsa=True, smoke_overrides=ONE_MOE_LAYER),
+         long=True, smoke_overrides=ONE_MOE_LAYER),
     # the stored GLM-5 config names no indexer types: every layer runs its own indexer; the smoke
     # run (1 dense + 1 MoE layer) gives its second layer none, so the "shared" path runs too
-    Case("glm5", "zai-org/GLM-5", "DSA", "TRITON_MLA_SPARSE", DEEPSEEK_CUT, cut_experts=True, dsa=True,
+    Case("glm5", "zai-org/GLM-5", "DSA", "TRITON_MLA_SPARSE", DEEPSEEK_CUT, cut_experts=True, long=True,
          smoke_overrides={"indexer_types": ["full", "shared"]}),
 )}
 # toy sizes: each key replaces the config's where the config has it (num_hidden_layers always)
@@ -220,12 +222,13 @@ def model_dir(case: Case, experts: int, smoke: bool) -> tuple[str, dict]:
 
 
 def grid(case: Case, batches: list[int], contexts: list[int], long_batches: list[int]) -> list[tuple[int, list[int]]]:
-    """(context, batch sizes) to run: contexts above LONG_CONTEXT only for DSA, at ``long_batches``."""
+    """(context, batch sizes) to run: contexts above LONG_CONTEXT only for DSA and dense MLA (the
+    DSA goals compare the two there), at ``long_batches``."""
     out = []
     for c in contexts:
         if c <= LONG_CONTEXT:
             out.append((c, sorted(set(batches))))
-        elif case.dsa and long_batches:
+        elif case.long and long_batches:
             out.append((c, sorted(set(long_batches))))
     return out
 
@@ -520,13 +523,47 @@ def measure_prefill(llm: LLM, prompts: list, context: int, warm_up: bool, base: 
             "attention_flops_per_token": attention_flops_per_token(engine.arch, context)}
 
 
+def decode_steps_ms(llm: LLM, prompts: list, steps: int, warm: int = 4) -> float:
+    """Mean ms of ``steps`` decode-only engine steps of ``prompts``, timed once every request
+    has its first token (so no prefill, not even the recomputed last block of a prefix hit,
+    falls in the timed span), after ``warm`` more steps; the requests are then aborted.
+
+    (Timing ``generate`` with N tokens and with 1 and subtracting leaves the prefill's
+    variance in the difference: 64 prefix hits of 8K-32K tokens vary by 0.1-0.3 s, which is
+    1.5-5 ms a step over 63 steps, as much as the step itself.)"""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + warm + 8, ignore_eos=True, detokenize=False)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    requests = [engine.scheduler.requests[i] for i in ids]
+    for _ in range(100_000):  # bounded: a stuck prefill fails the cell instead of hanging
+        if all(r.num_output_tokens > 0 for r in requests):
+            break
+        engine.step()
+    else:
+        raise RuntimeError("the prompts never finished their prefill")
+    for _ in range(warm):
+        engine.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    if any(r.num_output_tokens < steps + warm for r in requests):
+        raise RuntimeError("a request did not decode in every timed step (preempted or finished)")
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return 1e3 * seconds / steps
+
+
 def measure_decode(llm: LLM, prompts: list, batch: int, context: int, args, rows: dict, base: dict) -> dict:
     """Decode ms per step of the first ``batch`` prompts (prefix hits) and its HBM floor."""
     engine = llm.llm_engine
-    ws = prompts[:batch]
-    full = statistics.median(timed(llm, ws, args.new) for _ in range(args.repeats))
-    one = statistics.median(timed(llm, ws, 1) for _ in range(args.repeats))
-    ms = 1e3 * (full - one) / (args.new - 1)
+    steps = max(1, args.new - 16)
+    ms = statistics.median(decode_steps_ms(llm, prompts[:batch], steps) for _ in range(args.repeats))
     weights = decode_weight_bytes(engine.runner.model, engine.arch, batch)
     cache = decode_cache_bytes(engine.arch, rows, batch, context)
     floor_ms = 1e3 * (weights + cache) / BANDWIDTH
@@ -536,7 +573,7 @@ def measure_decode(llm: LLM, prompts: list, batch: int, context: int, args, rows
     return {**base, "cell": "decode", "batch": batch, "status": "ok", "decode_ms": ms, "floor_ms": floor_ms,
             "floor_fraction": floor_ms / ms if ms > 0 else None, "flop_floor_ms": flop_ms, "decode_flops": flops,
             "bound_fraction": bound / ms if ms > 0 else None, "weight_bytes": weights, "cache_bytes": cache,
-            "t_new_s": full, "t_one_s": one, "graphs": engine.runner.graphs is not None,
+            "timed_steps": steps, "graphs": engine.runner.graphs is not None,
             "async_scheduling": engine.async_scheduling}
 
 
@@ -631,13 +668,13 @@ def _fmt(value, spec: str) -> str:
 def markdown_table(cells: list[dict]) -> str:
     """One row per decode cell, the prefill figures on the row of the batch that was prefilled;
     then the reasons of the cells that did not run."""
-    prefill = {(c["case"], c["context"], c["batch"]): c for c in cells if c["cell"] == "prefill"}
+    prefill = {cell_key(c)[1:]: c for c in cells if c["cell"] == "prefill"}
     lines = ["| case | mechanism | backend | batch | context | decode ms | HBM floor ms | % of HBM floor "
              "| FLOP floor ms | % of max floor | graphs | prefill tok/s | prefill % of 790 TF |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     notes: list[str] = []
     for c in (c for c in in_grid_order(cells) if c["cell"] == "decode"):
-        p = prefill.get((c["case"], c["context"], c["batch"]), {})
+        p = prefill.get(cell_key(c)[1:], {})
         if c["status"] == "ok":
             frac = c["floor_fraction"]
             bound = c.get("bound_fraction")
@@ -650,7 +687,7 @@ def markdown_table(cells: list[dict]) -> str:
                 notes.append(note)
             decode = [f"{c['status']} ({notes.index(note) + 1})", "", "", "", "", ""]
         pre = [f"{p['tok_s']:,.0f}", f"{100 * p['fraction_of_peak']:.1f}"] if p.get("status") == "ok" else ["", ""]
-        lines.append("| " + " | ".join([c["case"], c["mechanism"], c["backend"], str(c["batch"]),
+        lines.append("| " + " | ".join([c["case"], c["mechanism"], backend_label(c), str(c["batch"]),
                                          size_label(c["context"]), *decode, *pre]) + " |")
     if notes:
         lines += [""] + [f"({i}) {n}" for i, n in enumerate(notes, 1)]
@@ -709,7 +746,7 @@ def smoke_checks(cells: list[dict], block: str, out: str | None) -> None:
 DEFAULTS = {"batches": "1,8,64", "contexts": "1K,8K,32K,64K,128K", "dsa_long_batches": "1,32", "experts": 16,
             "new": 64, "repeats": 3, "block_size": None}
 SMOKE_DEFAULTS = {"batches": "1,2", "contexts": "32,64", "dsa_long_batches": "1", "experts": SMOKE_EXPERTS,
-                  "new": 3, "repeats": 1, "block_size": 8}  # blocks of 8: t(1) recomputes the last block
+                  "new": 3, "repeats": 1, "block_size": 8}  # blocks of 8: a prefix hit recomputes less
 
 
 def parse_args() -> argparse.Namespace:
@@ -738,8 +775,8 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.cases.split(",")) - set(CASES)
     if unknown:
         ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
-    if args.new < 2:
-        ap.error("--new must be at least 2 (the decode time is t(N) - t(1))")
+    if args.new < 1:
+        ap.error("--new must be at least 1 (N - 16 decode steps are timed, at least one)")
     return args
 
 
@@ -768,7 +805,17 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict], dict]:
 
 
 def cell_key(cell: dict) -> tuple:
-    return cell["cell"], cell["case"], cell["context"], cell["batch"]
+    """Cells of other block sizes or cache dtypes are other measurements, not replacements."""
+    return (cell["cell"], cell["case"], cell["context"], cell["batch"], cell.get("block_size"),
+            cell.get("kv_cache_dtype"))
+
+
+def backend_label(cell: dict) -> str:
+    """The backend, with the block size and cache dtype when they are not the defaults."""
+    extra = [f"block {cell['block_size']}"] if cell.get("block_size") not in (None, 16) else []
+    if cell.get("kv_cache_dtype") == "fp8":
+        extra.append("fp8 cache")
+    return cell["backend"] + (f" ({', '.join(extra)})" if extra else "")
 
 
 def in_grid_order(cells) -> list[dict]:
@@ -809,6 +856,7 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         options = {k: v for k, v in vars(args).items() if k != "docs"}
+        Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, JSON_NAME).write_text(json.dumps({"environment": env, "options": options, "cells": cells},
                                                    indent=2))
     block = docs_block(markdown_table(cells), env, cells)

@@ -360,9 +360,10 @@ def prepare_latent_launch(
     if num_splits is None:
         if cfg.block_h >= 64:
             # many heads, compute-bound: one wave of programs, splits down to one 64-key tile,
-            # at most 32 (H200, 128 heads, bf16, graph-timed: sparse decode of 2,048 keys at
-            # batch 1 / 8 / 32 / 64 took 224 / 229 / 261 / 269 us unsplit and 19 / 48 / 144 /
-            # 269 us at 32 / 8 / 2 / 1 splits; dense batch 1 over 8K keys 726 -> 35 us at 32)
+            # at most 32 (benchmarks/gpu_dsa_probe.py micro; H200, 128 heads, bf16): sparse
+            # decode of 2,048 keys at batch 1 / 8 / 32 / 64 took 224 / 229 / 261 / 269 us
+            # unsplit, 19 / 48 / 144 / 269 at 32 / 8 / 2 / 1 splits; dense batch 1 over 8K
+            # keys 726 -> 35 us at 32 splits
             num_splits = pick_mla_splits(rows * head_blocks, num_keys, q.device, min_keys=64,
                                          one_wave=True, max_splits=32)  # fmt: skip
         else:

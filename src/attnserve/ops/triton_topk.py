@@ -31,8 +31,9 @@ from attnserve import env
 
 __all__ = ["CHUNK", "topk_rows"]
 
-# columns per program on a GPU; H200, graph-timed, top-2,048 of 8 rows of 8K: 30 / 38 / 51 us at
-# 1K / 2K / 4K (torch.topk 48), 64 rows of 32K: 92 / 84 / 85 (torch.topk 69)
+# columns per program on a GPU (benchmarks/gpu_dsa_probe.py micro; H200, graph-timed): top-2,048
+# of 8 rows of 8K took 30 / 38 / 51 us at 1K / 2K / 4K (torch.topk 48); 64 rows of 32K 92 / 84 /
+# 85 (torch.topk 69); 8 rows of 8K in a 128K-wide buffer 30 / 37 / 52 (torch.topk 63)
 CHUNK = 2048
 
 
