@@ -71,8 +71,10 @@ CASES = {  # name -> (model type, config, backend, engine options)
     "mla": ("deepseek_v3", {}, "TRITON_MLA", {}),
     "mla_fp8": ("deepseek_v3", {"kv_lora_rank": 128}, "TRITON_MLA", {"kv_cache_dtype": "fp8"}),
     # DSA: the indexer scores every key (top-k 6, below the longer sequences) in both runs
-    "dsa": ("deepseek_v32", {}, "TRITON_MLA_SPARSE", {}),
-    "glm5_fp8": ("glm_moe_dsa", {"kv_lora_rank": 128}, "TRITON_MLA_SPARSE", {"kv_cache_dtype": "fp8"}),
+    # (two layers each, a dense and a MoE one; GLM-5's second reuses the first's top-k)
+    "dsa": ("deepseek_v32", {"num_hidden_layers": 2}, "TRITON_MLA_SPARSE", {}),
+    "glm5_fp8": ("glm_moe_dsa", {"kv_lora_rank": 128, "num_hidden_layers": 2, "indexer_types": ["full", "shared"]},
+                 "TRITON_MLA_SPARSE", {"kv_cache_dtype": "fp8"}),
 }
 
 
