@@ -24,7 +24,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: the checkpoint's dtype (on CPU too: pass float32 for exactness)
     load_format: str = "auto"  # auto | safetensors | dummy
     max_model_len: int | None = None
     tokenizer: str | None = None

@@ -32,6 +32,12 @@ def triton_interpret() -> bool:
     return _flag("TRITON_INTERPRET")
 
 
+def api_key() -> str | None:
+    """``ATTNSERVE_API_KEY``: the server's API key when ``--api-key`` is not given (unset or
+    empty: none)."""
+    return os.environ.get("ATTNSERVE_API_KEY") or None
+
+
 def log_level() -> str:
     """``ATTNSERVE_LOG_LEVEL`` (default WARNING)."""
     return os.environ.get("ATTNSERVE_LOG_LEVEL", "WARNING").upper()

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams"]
+__all__ = ["INT64_MAX", "SamplingParams"]
+
+INT64_MAX = 2**63 - 1  # integer fields become int64 tensors in the sampler
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)
@@ -31,24 +42,47 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):  # one value or a list of them
+            value = getattr(self, name)
+            if value is None:
+                value = []
+            elif isinstance(value, (str, int)) and not isinstance(value, bool):
+                value = [value]
+            elif isinstance(value, (list, tuple)):
+                value = list(value)
+            else:
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+            setattr(self, name, value)
         self._validate()
 
     def _validate(self) -> None:  # noqa: C901 - a flat list of checks reads best
+        """Every field's type and range, so that nothing a request carries can fail inside an
+        engine step: integers fit int64 (the sampler's tensors), floats are finite."""
+
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
+        def integer(name: str, low: int, high: int = INT64_MAX, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if not _is_int(value) or not low <= value <= high:
+                bad(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+        integer("n", 1)
         if self.temperature < 0.0:
             bad(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or not isinstance(self.top_k, int):
-            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        integer("top_k", -1)  # -1 or 0: disabled; above the vocabulary: no limit
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -57,20 +91,21 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0.0:
             bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be non-negative, got {self.min_tokens}")
+        integer("seed", 0, optional=True)
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                bad(f"{name} must be a non-negative integer, got {value!r}")
+        integer("logprobs", 0, optional=True)  # the engine bounds both by the vocabulary
+        integer("prompt_logprobs", 0, optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative integers")
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids[:8]!r}")
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of the ``index``-th of ``n`` completions: ``seed + index``, within int64."""
+        return None if self.seed is None else (self.seed + index) % (INT64_MAX + 1)
 
     @property
     def greedy(self) -> bool:

@@ -207,18 +207,47 @@ def test_shutdown_fails_new_requests(engine):
         engine.call(lambda e: None).result(timeout=1)
 
 
-def test_step_failure_kills_engine_and_fails_streams(engine):
+def test_a_failed_step_fails_its_request_and_the_engine_goes_on(engine):
+    """The runner raising (say a kernel) fails the request of that step alone (issue #24): its
+    stream ends with finish_reason "error", the engine stays alive and serves the next one."""
+    saved = {}
+
     def break_runner(e):
         def boom(*args, **kwargs):
             raise RuntimeError("kernel exploded")
 
+        saved.update(execute=e.runner.execute, launch=e.runner.launch)
         e.runner.execute = e.runner.launch = boom  # the plain and the async step
 
+    def mend_runner(e):
+        e.runner.execute, e.runner.launch = saved["execute"], saved["launch"]
+
     engine.call(break_runner).result(timeout=10)
+    failed = asyncio.run(_final(engine, "z", [3, 4], SamplingParams(max_tokens=2)))
+    assert failed.finished and failed.outputs[0].finish_reason == "error"
+    assert "kernel exploded" in failed.outputs[0].stop_reason
+    assert engine.is_alive and engine.error is None
+    engine.call(mend_runner).result(timeout=10)
+    ok = asyncio.run(_final(engine, "y", [3, 4], SamplingParams(max_tokens=2, ignore_eos=True)))
+    assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 2
+    assert _held(engine) == (False, 0)
+
+
+def test_an_engine_failure_outside_a_step_kills_engine_and_fails_streams(engine):
+    """What the engine cannot contain (here the scheduler itself raising) still ends it: every
+    stream gets EngineDeadError, and the engine reports the error."""
+
+    def break_scheduler(e):
+        def boom(*args, **kwargs):
+            raise RuntimeError("scheduler exploded")
+
+        e.scheduler.schedule = boom
+
+    engine.call(break_scheduler).result(timeout=10)
 
     async def main():
         await _final(engine, "z", [3, 4], SamplingParams(max_tokens=2))
 
-    with pytest.raises(EngineDeadError, match="kernel exploded"):
+    with pytest.raises(EngineDeadError, match="scheduler exploded"):
         asyncio.run(main())
     assert not engine.is_alive and isinstance(engine.error, RuntimeError)

@@ -47,6 +47,21 @@ def test_serve_defaults_to_loopback_and_the_demo_model():
     )
 
 
+def test_serve_takes_the_api_key_from_the_environment(monkeypatch):
+    """``ATTNSERVE_API_KEY`` when ``--api-key`` is not given (so the key is not in the process
+    list); the flag wins when both are set."""
+    import attnserve.entrypoints.openai.api_server as api_server
+
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **kw: seen.append(kw["api_key"]))
+    monkeypatch.setenv("ATTNSERVE_API_KEY", "from-env")
+    assert main(["serve"]) == 0
+    assert main(["serve", "--api-key", "from-flag"]) == 0
+    monkeypatch.setenv("ATTNSERVE_API_KEY", "")
+    assert main(["serve"]) == 0
+    assert seen == ["from-env", "from-flag", None]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

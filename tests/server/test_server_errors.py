@@ -10,6 +10,7 @@ block stays held.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
@@ -74,6 +75,19 @@ COMPLETION_CASES = [  # (body, status, param)
     ({"model": MODEL_NAME, "prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ({"model": MODEL_NAME, "prompt": "x", "frobnicate": True}, 400, "frobnicate"),
+    # values that once failed inside an engine step (killing the engine thread) or came back as
+    # 200 / 500: an int64 overflow in the sampler's tensors, NaN sampling floats, a huge seed,
+    # logprobs beyond the vocabulary, stop tokens outside it
+    ({"model": MODEL_NAME, "prompt": "x", "top_k": 10**19}, 400, "top_k"),
+    ({"model": MODEL_NAME, "prompt": "x", "min_tokens": 2, "stop_token_ids": [10**19]}, 400, "stop_token_ids"),
+    ({"model": MODEL_NAME, "prompt": "x", "min_tokens": 2, "stop_token_ids": [5000]}, 400, "stop_token_ids"),
+    ({"model": MODEL_NAME, "prompt": "x", "seed": 10**30}, 400, "seed"),
+    ({"model": MODEL_NAME, "prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "x", "repetition_penalty": float("nan")}, 400, "repetition_penalty"),
+    ({"model": MODEL_NAME, "prompt": "x", "top_p": float("inf")}, 400, "top_p"),
+    # the server's own limits (ServerLimits: `attnserve serve --max-n / --max-prompts`)
+    ({"model": MODEL_NAME, "prompt": "x", "n": 5000}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": ["x"] * 2000}, 400, "prompt"),
     (
         {"model": MODEL_NAME, "prompt": "x", "stream_options": {"include_usage": True}},
         400,
@@ -124,6 +138,10 @@ CHAT_CASES = [
         "response_format",
     ),
     ({"model": MODEL_NAME, "messages": MSG, "logprobs": "yes"}, 400, "logprobs"),
+    # a template sent in the request is refused unless the server trusts them
+    ({"model": MODEL_NAME, "messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 'x' * 10**8 }}"}},
+     400, "chat_template_kwargs"),
+    ({"model": MODEL_NAME, "messages": MSG, "n": 5000}, 400, "n"),
 ]
 
 
@@ -153,14 +171,41 @@ def test_errors_do_not_disturb_a_running_request(server, reference):
 
     good = threading.Thread(target=run_good)
     good.start()
-    for body, status, param in COMPLETION_CASES:
-        _assert_error(_post(server, "/v1/completions", json=body), status, param)
+    for body, status, param in COMPLETION_CASES:  # as text: Python's json writes NaN, as clients can
+        _assert_error(_post(server, "/v1/completions", content=json.dumps(body).encode(),
+                            headers={**AUTH, "Content-Type": "application/json"}), status, param)
     for body, status, param in CHAT_CASES:
         _assert_error(_post(server, "/v1/chat/completions", json=body), status, param)
     good.join(60)
     assert result["text"] == ref
     state = server.wait_idle()
     assert state["scheduler_requests"] == 0
+
+
+def test_large_bodies_get_a_413_and_tokenising_leaves_the_loop_free(server):
+    """A body over the limit (16 MiB by default) is refused while it arrives; a large prompt
+    under it is tokenised off the event loop, so /health answers at once meanwhile."""
+    huge = b'{"model": "tiny", "prompt": "' + b"a" * (17 << 20) + b'"}'
+    _assert_error(_post(server, "/v1/completions", content=huge,
+                        headers={**AUTH, "Content-Type": "application/json"}), 413, code="request_too_large")
+    result = {}
+    big = {"model": MODEL_NAME, "prompt": "word " * 400_000, "max_tokens": 1}  # 2 MB: seconds to tokenise
+
+    def send():
+        result["resp"] = _post(server, "/v1/completions", json=big, timeout=120)
+
+    t = threading.Thread(target=send)
+    t.start()
+    time.sleep(0.3)
+    worst = 0.0
+    while t.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.perf_counter() - start)
+        time.sleep(0.05)
+    t.join()
+    _assert_error(result["resp"], 400, "prompt", "context_length_exceeded")  # far over the context
+    assert worst < 1.0, f"/health took {worst:.2f} s while a prompt was tokenised"
 
 
 def test_malformed_bodies_and_routes(server):

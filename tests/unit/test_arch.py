@@ -240,6 +240,11 @@ def test_glm4_moe_partial_rotary_and_shared_expert():
            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
      "unsupported layer types"),
     (_tiny("llama", hidden_size="big", num_attention_heads=4), "hidden_size.*integer"),
+    # zero and absurd sizes (issue #24): refused before a layer is built, the field named
+    (_tiny("llama", hidden_size=0, num_attention_heads=4), "'hidden_size' must be in \\[1, "),
+    (_tiny("llama", hidden_size=64, num_attention_heads=4, vocab_size=0), "'vocab_size' must be in \\[1, "),
+    (_tiny("llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=10**9), "'num_hidden_layers' must"),
+    (_tiny("llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=0), "'num_hidden_layers' must"),
 ])
 def test_bad_configs_name_the_field(cfg, match):
     with pytest.raises(ArchError, match=match):

@@ -20,6 +20,21 @@ from attnserve.arch.model_arch import ArchError, ModelArch
 __all__ = ["load_hf_config", "read_arch"]
 
 
+# bounds far above every released model (126 layers, 25,600 hidden, 262K vocabulary at most),
+# far below what would exhaust memory while the architecture or a dummy model is built
+_SIZE_BOUNDS = {"hidden_size": 1 << 18, "num_hidden_layers": 4096, "vocab_size": 1 << 24}
+
+
+def _check_sizes(reader) -> None:
+    """Raises ArchError naming the field when a model size is zero or absurd."""
+    sizes = {"hidden_size": reader.hidden_size, "num_hidden_layers": reader.num_layers,
+             "vocab_size": reader.int("vocab_size")}
+    for name, value in sizes.items():
+        if not 1 <= value <= _SIZE_BOUNDS[name]:
+            raise ArchError(f"{reader.model_type}: field '{name}' must be in [1, {_SIZE_BOUNDS[name]}], "
+                            f"got {value}")
+
+
 def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
     """Build the architecture from a HF ``config.json`` dict.
 
@@ -41,6 +56,7 @@ def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
         known = ", ".join(sorted(families.FAMILIES))
         raise ArchError(f"model_type '{model_type}' is not supported (supported: {known})")
     reader = families.Reader(model_type, cfg)
+    _check_sizes(reader)  # before anything is built from them (10**9 layers would not fit in memory)
     built = family.read(reader)
     layers = built.layers
     if not use_mla:

@@ -21,11 +21,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step failed on this request alone (the engine goes on)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(eq=False)
@@ -48,6 +49,9 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # a seeded request's generator state before each scheduled sample: (index of the output
+    # token that sample makes, state); a failed step's draws are undone with it
+    rng_checkpoints: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     num_preemptions: int = 0
     # prompt logprobs are computed once even if the request is preempted and recomputed
     num_prompt_logprobs_done: int = 0

@@ -95,6 +95,9 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise PromptError("this model has no tokenizer: pass prompt_token_ids")
             return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise PromptError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
+                              f"'prompt_token_ids', got {type(prompt).__name__}")
         return None, list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict[str, Any],
@@ -117,8 +120,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                child_params = SamplingParams(**{**_params_dict(params), "n": 1,
-                                                 "seed": None if params.seed is None else params.seed + i})
+                child_params = SamplingParams(**{**_params_dict(params), "n": 1, "seed": params.child_seed(i)})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, ids, child_params, eos_token_ids=self.arch.eos_token_ids,
                           block_size=self.config.cache.block_size, prompt=text,
@@ -132,13 +134,16 @@ class LLMEngine:
         return request_id
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        """Raises PromptError for prompt token ids the engine cannot serve (empty, out of the
-        vocabulary, no room for a generated token within ``max_model_len``)."""
+        """Raises PromptError for a request the engine cannot serve: prompt token ids empty, out of
+        the vocabulary or with no room for a generated token within ``max_model_len``; sampling
+        parameters that only this model bounds (``logprobs`` and ``prompt_logprobs`` above the
+        vocabulary size, stop token ids outside it). ``SamplingParams`` checked the rest."""
+        vocab = self.arch.vocab_size
+        check_params_for_model(params, vocab)
         if not ids:
             raise PromptError("the prompt is empty")
         if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
             raise PromptError("prompt token ids must be integers")
-        vocab = self.arch.vocab_size
         bad = [t for t in ids if t < 0 or t >= vocab]
         if bad:
             raise PromptError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
@@ -180,14 +185,31 @@ class LLMEngine:
             sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
                 return []
-            return self._process(sched_out, self.runner.execute(sched_out), final_only)
+            try:
+                run_out = self.runner.execute(sched_out)
+            except Exception as exc:  # noqa: BLE001 - contained: see _step_failed
+                return self._step_failed([sched_out], exc)
+            return self._process(sched_out, run_out, final_only)
         outputs = []
         if self._pending is not None and any(r.needs_host_tokens for r in self.scheduler.running):
             outputs = self._finish_pending(final_only)  # this step's sampling needs those tokens
+            if not self.async_scheduling:  # its read-back failed: recovery goes step by step
+                return outputs
         sched_out = self.scheduler.schedule()
-        handle = None if sched_out.is_empty else self.runner.launch(sched_out)
+        handle = None
+        if not sched_out.is_empty:
+            try:
+                handle = self.runner.launch(sched_out)
+            except Exception as exc:  # noqa: BLE001 - contained: see _step_failed
+                failed = [sched_out] + ([self._pending[0]] if self._pending is not None else [])
+                self._pending = None
+                return outputs + self._step_failed(failed, exc)
         if self._pending is not None:  # read back the previous forward while this one runs
             outputs = self._finish_pending(final_only)
+            if not self.async_scheduling and handle is not None:
+                # that read-back failed, and the step just launched ran on its tokens: rerun it
+                # too (its writes land before any later step's, in stream order)
+                return outputs + self._step_failed([sched_out], None)
         if handle is not None:
             self._pending = (sched_out, handle)
             if not self.states:  # every request it ran has ended: nothing of it will be read
@@ -197,7 +219,51 @@ class LLMEngine:
     def _finish_pending(self, final_only: bool) -> list[RequestOutput]:
         sched_out, handle = self._pending
         self._pending = None
-        return self._process(sched_out, self.runner.collect(handle), final_only)
+        try:
+            run_out = self.runner.collect(handle)
+        except Exception as exc:  # noqa: BLE001
+            return self._step_failed([sched_out], exc)
+        return self._process(sched_out, run_out, final_only)
+
+    def _step_failed(self, steps: list[SchedulerOutput], exc: BaseException | None) -> list[RequestOutput]:
+        """Contain a step that raised: the engine and the requests it did not run go on.
+
+        A step with one request in it failed because of that request: it finishes with
+        ``finish_reason`` "error" (the message in ``stop_reason``). Otherwise every request of the
+        failed steps is rerun from scratch, one at a time (``Scheduler.reset_after_fault``), so a
+        request that fails again alone is found and the others finish exactly. Async scheduling
+        is turned off for the rest of the engine's life (a failed read-back leaves the step
+        launched after it with tokens that never came)."""
+        if exc is not None:
+            logger.error("a step failed (%s requests): %r", sum(len(s.scheduled) for s in steps), exc,
+                         exc_info=exc)
+        if self.async_scheduling:
+            self.async_scheduling = False
+            logger.warning("async scheduling is off after a failed step")
+        requests = list({id(s.request): s.request for out in steps for s in out.scheduled}.values())
+        live = [r for r in requests if not r.is_finished]
+        if len(live) == 1 and len(requests) == 1 and exc is not None:
+            return self._fail_request(live[0], exc)
+        self.scheduler.reset_after_fault(live)
+        return []
+
+    def _fail_request(self, req, exc: BaseException) -> list[RequestOutput]:
+        """Finish one request whose step failed with it alone; returns its final output."""
+        message = f"{type(exc).__name__}: {exc}"
+        self.scheduler.kv.free(req, uncache=True)  # what the step wrote is not to be reused
+        if req in self.scheduler.running:
+            self.scheduler.running.remove(req)
+        req.num_inflight = 0
+        self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR, message)
+        req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, message
+        state, c = self._child_to_state[req.request_id]
+        state.finish(c)
+        if not state.finished:
+            return []
+        del self.states[state.request_id]
+        for child in state.completions:
+            self._forget(child.request.request_id)
+        return [state.to_output()]
 
     def _process(self, sched_out: SchedulerOutput, run_out: RunnerOutput, final_only: bool) -> list[RequestOutput]:
         """Scheduler update and output processing of one executed step."""
@@ -228,6 +294,21 @@ class LLMEngine:
                 for c in state.completions:
                     self._forget(c.request.request_id)
         return outputs
+
+
+def check_params_for_model(params: SamplingParams, vocab_size: int) -> None:
+    """Raises PromptError for sampling parameters this model cannot honour (``SamplingParams``
+    checks what holds for any model): ``logprobs`` or ``prompt_logprobs`` above the vocabulary
+    size, stop token ids outside the vocabulary. The message starts with the field's name."""
+    if not isinstance(params, SamplingParams):
+        raise PromptError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab_size:
+            raise PromptError(f"{name} is {value}, more than the vocabulary's {vocab_size} tokens")
+    outside = [t for t in params.stop_token_ids if t >= vocab_size]
+    if outside:
+        raise PromptError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
 
 
 def _params_dict(p: SamplingParams) -> dict[str, Any]:

@@ -53,6 +53,8 @@ class Scheduler:
         self.rope_recompute_len = rope_recompute_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # requests of a failed step, to rerun one at a time (``reset_after_fault``)
+        self.suspects: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
@@ -70,15 +72,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        focus = self._focus()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if focus is not None and req is not focus:
+                i += 1  # a suspect runs alone: the others wait a step
+                continue
             if req.num_inflight and self._ends_with_inflight(req):
                 i += 1  # its last token is in flight: nothing left to compute
                 continue
             num_new = self._align(req, req.num_computed_tokens,
                                   min(req.num_known_tokens - req.num_computed_tokens, budget))
-            if len(self.running) == 1:  # alone: a smaller prefill chunk may fit where all does not
+            if len(self.running) == 1 or focus is not None:  # alone: a smaller chunk may fit
                 num_new = self._fit(req, num_new)
             if not num_new or not self.kv.allocate_slots(req, num_new):
                 victim = self._preempt_for(req)
@@ -89,17 +95,82 @@ class Scheduler:
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             i += 1
-        if not preempted:
+        if focus is not None and focus.status is not RequestStatus.RUNNING and not scheduled:
+            preempted.extend(self._admit_alone(focus, scheduled, budget))
+        elif focus is None and not preempted:
             budget = self._admit(scheduled, budget)
         self.stats.steps += 1
         jobs = self.offload.take_jobs() if self.offload is not None else None
         return SchedulerOutput(tuple(scheduled), tuple(preempted), self.kv.take_state_copies(), jobs)
+
+    # --- failed steps ------------------------------------------------------------------------
+    def reset_after_fault(self, requests: list[Request]) -> None:
+        """Undo what a failed step scheduled for ``requests`` and queue them to rerun alone.
+
+        Each loses its blocks, which also leave the prefix-cache index (the step may have left
+        them half written), and goes back to the front of the queue to recompute its prompt and
+        the tokens it has (as a preempted request does); the step's in-flight token is dropped, and
+        a seeded request's generator goes back to where it was before that token's draw.
+        Then ``schedule`` runs them one at a time, each until it samples a token (``suspects``):
+        a step that fails with one request in it is that request's fault (``finish`` it with
+        ``FINISHED_ERROR``); the others go on with outputs as exact as after a preemption.
+        """
+        for req in reversed(requests):
+            if req.is_finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass
+            self.kv.free(req, uncache=True)
+            if self.offload is not None:
+                self.offload.forget(req.request_id)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_inflight = 0
+            for made, state in req.rng_checkpoints:  # undo the draws of samples never appended
+                if made == req.num_output_tokens:
+                    req.generator.set_state(state)
+            req.rng_checkpoints = []
+            self.waiting.appendleft(req)
+        self.suspects.extend(r for r in requests if not r.is_finished and r not in self.suspects)
+
+    def _focus(self) -> Request | None:
+        """The suspect to run alone this step, or None (finished ones are dropped)."""
+        while self.suspects and self.suspects[0].is_finished:
+            self.suspects.popleft()
+        return self.suspects[0] if self.suspects else None
+
+    def _admit_alone(self, req: Request, scheduled: list[ScheduledRequest], budget: int) -> list[str]:
+        """Admit the suspect ``req`` on its own (not limited by ``max_num_seqs``), preempting the
+        most recent running requests when the cache cannot hold it; returns those preempted."""
+        preempted = []
+        num_new = self._align(req, 0, min(req.num_tokens, budget))
+        while True:
+            fitted = self._fit(req, num_new)
+            if fitted and self.kv.allocate_slots(req, fitted):
+                break
+            if not self.running:
+                return preempted  # not even alone: it waits (allocation failures are not faults)
+            preempted.append(self._preempt_last(queue_at=1))  # behind the suspect
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        scheduled.append(self._scheduled(req, fitted))
+        return preempted
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         """The step's entry for ``req``; its tokens count as computed from now on."""
         rid = req.request_id
         start = req.num_computed_tokens
         samples = start + num_new >= req.num_known_tokens
+        if samples and req.generator is not None:  # before this step draws (it draws at launch)
+            made = req.num_output_tokens
+            req.rng_checkpoints = [c for c in req.rng_checkpoints if c[0] >= made]
+            req.rng_checkpoints.append((made + req.num_inflight, req.generator.get_state()))
         req.num_computed_tokens = start + num_new
         req.num_inflight += samples
         return ScheduledRequest(req, num_new, self.kv.live_block_ids(rid), self.kv.state_slot(rid), start, samples)
@@ -138,6 +209,10 @@ class Scheduler:
 
     def _preempt_for(self, req: Request) -> list[str]:
         """Preempt the lowest-priority running request (the last admitted) to free blocks."""
+        return [self._preempt_last(queue_at=0)]
+
+    def _preempt_last(self, queue_at: int) -> str:
+        """Preempt the last admitted running request by recompute, queued at ``queue_at``."""
         victim = self.running.pop()
         self.kv.free(victim)
         if self.offload is not None:
@@ -146,8 +221,8 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(victim)
-        return [victim.request_id]
+        self.waiting.insert(queue_at, victim)
+        return victim.request_id
 
     def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -216,6 +291,8 @@ class Scheduler:
     def _append(self, req: Request, token: int, progressed: list[Request]) -> None:
         req.append_output_token(token)
         progressed.append(req)
+        if self.suspects and self.suspects[0] is req:  # it ran alone to a new token: cleared
+            self.suspects.popleft()
         self._check_stop(req)
         if req.is_finished:
             self._remove(req)

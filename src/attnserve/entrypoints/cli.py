@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from attnserve import env
 from attnserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 from attnserve.platforms import PLATFORM_NAMES
 
@@ -106,9 +107,19 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$ATTNSERVE_API_KEY, which other users of the machine cannot read in the "
+                        "process list)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients ask for (default: MODEL)")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get a 413 (default: 16 MiB)")
+    p.add_argument("--max-n", type=int, default=128,
+                   help="the most completions one request may ask per prompt (default: 128)")
+    p.add_argument("--max-prompts", type=int, default=1024,
+                   help="the most prompts one completion request may carry (default: 1024)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(p)
@@ -117,11 +128,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from attnserve.entrypoints.openai.api_server import run_server
+    from attnserve.entrypoints.openai.protocol import ServerLimits
     from attnserve.presets import DEFAULT_MODEL
 
     run_server(args.model or DEFAULT_MODEL, engine_kwargs(args), host=args.host, port=args.port,
-               api_key=args.api_key, served_model_name=args.served_model_name,
-               log_level=args.uvicorn_log_level)
+               api_key=args.api_key or env.api_key(), served_model_name=args.served_model_name,
+               log_level=args.uvicorn_log_level,
+               limits=ServerLimits(args.max_request_body_bytes, args.max_n, args.max_prompts,
+                                   args.trust_request_chat_template))
     return 0
 
 

@@ -145,6 +145,12 @@ class BlockPool:
                     self._evict(block)
                 self.free_queue.append(block)
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take blocks out of the prefix-cache index (their content is not to be trusted)."""
+        for block in blocks:
+            if not block.is_null:
+                self._evict(block)
+
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int) -> None:
         """Index a full block by its hash; an earlier block with the same hash keeps the entry."""
         if not self.enable_caching or block.is_null or block.block_hash is not None:

@@ -147,9 +147,11 @@ class KVCacheManager:
                 m.cache_blocks(rid, request.block_hashes, cached_len)
         return True
 
-    def free(self, request: CacheRequest) -> None:
+    def free(self, request: CacheRequest, uncache: bool = False) -> None:
+        """Release the request's blocks (and state slot); ``uncache``: its blocks also leave the
+        prefix-cache index, for a request whose step failed."""
         for m in self.managers:
-            m.free(request.request_id)
+            m.free(request.request_id, uncache)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)
             self._restore.pop(request.request_id, None)

@@ -114,10 +114,14 @@ class SingleTypeManager:
             ids[i] = 0
         return dropped
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, uncache: bool = False) -> None:
+        """Release the request's blocks; ``uncache`` also drops them from the prefix-cache index
+        (a failed step may have left them half written)."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.req_to_block_ids.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
+        if uncache:
+            self.pool.uncache(blocks)
         self.pool.free_blocks(reversed(blocks))  # tail first: the prefix stays cached longest
 
 

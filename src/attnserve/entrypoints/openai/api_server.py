@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from attnserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from attnserve.engine.engine import PromptError
 from attnserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -34,6 +36,7 @@ from attnserve.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     OpenAIError,
+    ServerLimits,
     validation_error,
 )
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -73,9 +76,26 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _parse(request: Request, model: type[M]) -> M:
-    try:
-        body = await request.json()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 once it is larger than ``limit`` bytes (declared or sent)."""
+    too_large = OpenAIError(f"the request body is larger than this server's limit of {limit} bytes",
+                            status=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[M], limits: ServerLimits) -> M:
+    raw = await _read_body(request, limits.max_request_body_bytes)
+    try:  # a large body parses off the event loop
+        body = json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
     except ValueError as e:  # JSONDecodeError, bad UTF-8
         raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from e
     if not isinstance(body, dict):
@@ -132,6 +152,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         StarletteHTTPException: lambda e: OpenAIError(str(e.detail), status=e.status_code),
         RequestValidationError: lambda e: OpenAIError(str(e)),
         EngineDeadError: lambda e: OpenAIError(str(e), status=503),
+        PromptError: lambda e: OpenAIError(str(e)),  # the engine refused the request: a 400
         Exception: _internal_error,
     }
     for exc_type, convert in to_openai.items():
@@ -143,7 +164,10 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 def build_app(
-    engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None
+    engine: AsyncLLMEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running (or startable) engine; its lifespan stops the engine.
 
@@ -151,10 +175,12 @@ def build_app(
         engine: the engine; ``start`` is called when the app starts.
         served_model_name: the only model name requests may ask for.
         api_key: when given, every route but ``/health`` requires it as a bearer token.
+        limits: body size, ``n``, prompts per request, request-sent chat templates.
     """
+    limits = limits or ServerLimits()
     metrics = ServerMetrics()
-    completion = OpenAIServingCompletion(engine, served_model_name, metrics)
-    chat = OpenAIServingChat(engine, served_model_name, metrics)
+    completion = OpenAIServingCompletion(engine, served_model_name, metrics, limits)
+    chat = OpenAIServingChat(engine, served_model_name, metrics, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -187,13 +213,13 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, limits)
         _check_model(req.model, served_model_name)
         return await _respond(request, completion.create(req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest, limits)
         _check_model(req.model, served_model_name)
         return await _respond(request, chat.create(req))
 
@@ -208,10 +234,11 @@ def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    limits: ServerLimits | None = None,
 ) -> None:
     """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``)."""
     import uvicorn
 
     engine = AsyncLLMEngine.from_kwargs(model, **engine_kwargs)
-    app = build_app(engine, served_model_name or model, api_key)
+    app = build_app(engine, served_model_name or model, api_key, limits)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from attnserve.engine.engine import PromptError, check_params_for_model
 from attnserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -29,7 +31,9 @@ __all__ = [
     "OpenAIError",
     "StreamOptions",
     "UsageInfo",
+    "ServerLimits",
     "check_context",
+    "check_for_model",
     "random_id",
     "sse",
     "validation_error",
@@ -264,6 +268,40 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one request may ask of the server (``attnserve serve`` flags of the same names)."""
+
+    max_request_body_bytes: int = 16 << 20
+    max_n: int = 128  # completions per prompt
+    max_prompts: int = 1024  # prompts per completion request
+    trust_request_chat_template: bool = False  # a template sent in the request may be rendered
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_n", "max_prompts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def check(self, n: int, num_prompts: int = 1) -> None:
+        """A 400 naming the field when a request asks for more than these limits allow."""
+        if n > self.max_n:
+            raise OpenAIError(f"n is {n}, above this server's limit of {self.max_n}", param="n")
+        if num_prompts > self.max_prompts:
+            raise OpenAIError(f"{num_prompts} prompts, above this server's limit of {self.max_prompts}",
+                              param="prompt")
+
+
+def check_for_model(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """``params``, or a 400 naming the field when this model cannot honour them (``logprobs``
+    beyond the vocabulary, stop token ids outside it): checked before anything is submitted."""
+    try:
+        check_params_for_model(params, vocab_size)
+    except PromptError as e:
+        raise OpenAIError(str(e), param=str(e).split()[0]) from e
+    return params
 
 
 def check_context(

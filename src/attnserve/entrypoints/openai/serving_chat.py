@@ -9,6 +9,7 @@ Not here: tool calling, images, reasoning parsers; the HTTP layer (``api_server.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -26,10 +27,12 @@ from attnserve.entrypoints.openai.protocol import (
     DeltaMessage,
     OpenAIError,
     ResponseMessage,
+    ServerLimits,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
     check_context,
+    check_for_model,
     random_id,
     sse,
 )
@@ -40,10 +43,12 @@ __all__ = ["OpenAIServingChat"]
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.limits = limits or ServerLimits()
 
     async def create(
         self, req: ChatCompletionRequest
@@ -55,11 +60,13 @@ class OpenAIServingChat:
         """
         arrival = time.perf_counter()
         req.check_supported()
-        ids = self._prompt_ids(req)
+        self.limits.check(req.n)
+        # rendering and tokenising are the client's work: off the event loop
+        ids = await asyncio.to_thread(self._prompt_ids, req)
         max_tokens = check_context(
             len(ids), req.requested_max_tokens, self.engine.max_model_len, prompt_param="messages"
         )
-        params = req.to_sampling_params(max_tokens)
+        params = check_for_model(req.to_sampling_params(max_tokens), self.engine.vocab_size)
         rid = random_id("chatcmpl")
         stream = self.metrics.track(
             self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival
@@ -92,14 +99,23 @@ class OpenAIServingChat:
             raise OpenAIError(
                 "this model has no chat template; use /v1/completions", param="messages"
             )
+        kwargs = dict(req.chat_template_kwargs or {})
+        if "chat_template" in kwargs and not self.limits.trust_request_chat_template:
+            raise OpenAIError(
+                "chat templates sent in a request are not rendered by this server (start it with "
+                "--trust-request-chat-template to allow them)",
+                param="chat_template_kwargs",
+            )
+        from jinja2 import TemplateError
+
         try:
             text = tok.apply_chat_template(
                 [m.for_template() for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
+                **kwargs,
             )
-        except (ValueError, TypeError) as e:
-            raise OpenAIError(str(e), param="messages") from e
+        except (ValueError, TypeError, TemplateError) as e:
+            raise OpenAIError(f"the chat template failed: {e}", param="messages") from e
         ids = tok.encode(text, add_special_tokens=False)
         if not ids:
             raise OpenAIError("the rendered conversation is empty", param="messages")

@@ -28,8 +28,10 @@ from attnserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     OpenAIError,
+    ServerLimits,
     UsageInfo,
     check_context,
+    check_for_model,
     random_id,
     sse,
 )
@@ -105,10 +107,12 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int,
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.limits = limits or ServerLimits()
 
     async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """Check, submit and answer a completion request (an SSE stream when ``stream``).
@@ -118,10 +122,16 @@ class OpenAIServingCompletion:
         """
         arrival = time.perf_counter()
         req.check_supported()
-        prompts = [self._prompt_ids(p) for p in req.prompts()]
+        texts = req.prompts()
+        self.limits.check(req.n, len(texts))
+        # tokenising is the client's work: off the event loop, which serves every other client
+        prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p) for p in texts])
         params = [
-            req.to_sampling_params(
-                check_context(len(ids), req.max_tokens, self.engine.max_model_len)
+            check_for_model(
+                req.to_sampling_params(
+                    check_context(len(ids), req.max_tokens, self.engine.max_model_len)
+                ),
+                self.engine.vocab_size,
             )
             for _, ids in prompts
         ]
