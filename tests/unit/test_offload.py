@@ -6,6 +6,7 @@ blocks come back), churn without leaks, blobs held while a load copies them, and
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import pytest
@@ -65,6 +66,57 @@ def test_disk_tier_roundtrip_and_corruption(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert tier.get(("a", 0)) is None and tier.get(("b", 0)) is None
     assert "corrupt" in caplog.text and tier.failures == 2 and len(tier) == 0
+
+
+def test_disk_tier_files_belong_to_their_key_and_engine(tmp_path, caplog):
+    """Issue #24: two engines on one directory wrote each other's slots and served each other's
+    KV; two swapped files passed the checksum. The key's digest (with the engine's namespace) is
+    in the checksummed header now: both read as misses."""
+    data = torch.arange(16, dtype=torch.uint8)
+    mine = DiskTier(capacity=2, blob_bytes=16, directory=tmp_path, namespace="model A")
+    theirs = DiskTier(capacity=2, blob_bytes=16, directory=tmp_path, namespace="model B")
+    mine.put(("p", 0), data)
+    theirs.put(("p", 0), data + 7)  # same prompt key, same slot file: it replaces mine on disk
+    with caplog.at_level(logging.WARNING):
+        assert mine.get(("p", 0)) is None  # not model B's bytes
+    assert "another block" in caplog.text
+    assert torch.equal(theirs.get(("p", 0)), data + 7)
+    swapped = DiskTier(capacity=2, blob_bytes=16, directory=tmp_path / "s", namespace="A")
+    swapped.put(("x", 0), data)
+    swapped.put(("y", 0), data + 1)
+    a, b = swapped._path(swapped.index[("x", 0)]), swapped._path(swapped.index[("y", 0)])
+    raw_a, raw_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(raw_b)
+    b.write_bytes(raw_a)
+    assert swapped.get(("x", 0)) is None and swapped.get(("y", 0)) is None and swapped.failures == 2
+
+
+def test_disk_tier_follows_no_link_and_counts_failed_writes(tmp_path, monkeypatch):
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    tier = DiskTier(capacity=1, blob_bytes=16, directory=tmp_path / "tier")
+    tier._path(0).symlink_to(target)  # planted where slot 0's file goes
+    tier.put(("k", 0), torch.ones(16, dtype=torch.uint8))
+    assert target.read_bytes() == b"keep me" and not tier._path(0).is_symlink()
+    assert torch.equal(tier.get(("k", 0)), torch.ones(16, dtype=torch.uint8))
+    tier._path(0).unlink()
+    tier._path(0).symlink_to(target)  # a link planted after the write is not read through
+    assert tier.get(("k", 0)) is None
+    # a full disk: the write fails, is counted, and the block is not stored
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, flags, *a: (_ for _ in ()).throw(OSError(28, "No space left"))
+                        if str(path).endswith(".tmp") else real_open(path, flags, *a))
+    buf = tier.reserve(("full", 0), 16)
+    buf.fill_(3)
+    assert tier.commit(("full", 0)) is False and ("full", 0) not in tier and tier.failures == 2
+    assert not list((tmp_path / "tier").glob("*.tmp"))
+
+
+def test_disk_tier_directory_that_is_a_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "not_a_dir"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        DiskTier(capacity=1, blob_bytes=16, directory=path)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

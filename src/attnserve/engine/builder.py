@@ -79,7 +79,11 @@ def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dic
     if off.kv_offloading_backend == "disk":
         if not off.kv_offloading_dir:
             raise ValueError("kv_offloading_backend 'disk' needs kv_offloading_dir, the directory to keep blocks in")
-        tier = DiskTier(capacity, blob, off.kv_offloading_dir, pin_memory=device.type == "cuda")
+        # the files say which model (and cache layout) wrote them: another engine's are misses
+        namespace = repr((str(Path(config.model.model).resolve()), config.model.dtype, config.cache.kv_cache_dtype,
+                          groups[0].block_size, blob))
+        tier = DiskTier(capacity, blob, off.kv_offloading_dir, pin_memory=device.type == "cuda",
+                        namespace=namespace)
     else:
         tier = HostTier(capacity, blob, pin_memory=device.type == "cuda")
     manager = OffloadManager(tier, len(groups), groups[0].block_size, has_state=bool(state_caches),

@@ -39,6 +39,7 @@ class OffloadStats:
     store_seconds: float = 0.0
     load_seconds: float = 0.0
     failed_loads: int = 0
+    failed_stores: int = 0  # blocks the tier could not keep (a full or unwritable disk)
 
 
 @dataclass(slots=True)
@@ -197,8 +198,10 @@ class OffloadManager:
         return self.tier.reserve(key, nbytes)
 
     def complete_store(self, key: tuple, nbytes: int) -> None:
-        self.tier.commit(key)
-        self.stats.bytes_stored += nbytes
+        if self.tier.commit(key):
+            self.stats.bytes_stored += nbytes
+        else:
+            self.stats.failed_stores += 1
 
     def forget(self, request_id: str) -> None:
         self._stored_upto.pop(request_id, None)

@@ -3,8 +3,8 @@
 A tier stores fixed-size byte blobs (one KV cache block of one group, all layers contiguous,
 or one state snapshot) under a key, with least-recently-used eviction when full. ``host`` keeps
 them in one preallocated (pinned, on CUDA machines) byte buffer; ``disk`` keeps one file per
-blob under a directory, with a checksum, so a corrupt or missing file reads as a miss and the
-engine recomputes instead of answering wrongly. A tier knows bytes and keys, not models.
+blob under a directory, with a checksum and the key's digest, so a corrupt, missing, moved or
+foreign file reads as a miss and the engine recomputes instead of answering wrongly. A tier knows bytes and keys, not models.
 
 Copies into and out of a tier may be asynchronous (``runner/offload_io.py``), so a store is two
 steps: ``reserve`` gives the buffer to copy into (the host tier's own slot, or a staging buffer
@@ -16,6 +16,8 @@ load is still reading.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
 import struct
@@ -83,10 +85,12 @@ class OffloadTier:
         is already stored (or on its way) or every slot is busy."""
         raise NotImplementedError
 
-    def commit(self, key: Key) -> None:
-        """The copy into ``reserve``'s buffer is done: the blob becomes readable."""
+    def commit(self, key: Key) -> bool:
+        """The copy into ``reserve``'s buffer is done: the blob becomes readable. Returns False
+        when it could not be stored after all (the disk tier's write failed)."""
         slot = self.reserved.pop(key)
         self.index[key] = slot
+        return True
 
     def put(self, key: Key, data: torch.Tensor) -> None:
         """Store a blob now (reserve, copy, commit); an existing key is only marked used."""
@@ -133,17 +137,33 @@ class HostTier(OffloadTier):
         return self.buffer[slot, : self.lengths[slot]]
 
 
-_MAGIC = b"ATSVKV01"
-_HEADER = struct.Struct("<8sQI")  # magic, payload length, crc32
+_MAGIC = b"ATSVKV02"
+_HEADER = struct.Struct("<8sQI32s")  # magic, payload length, crc32 of key digest + payload, key digest
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class DiskTier(OffloadTier):
-    """One file per blob: header (magic, length, crc32) then the raw bytes."""
+    """One file per blob: header (magic, length, crc32, the key's digest) then the raw bytes.
 
-    def __init__(self, capacity: int, blob_bytes: int, directory: str | os.PathLike, pin_memory: bool = False):
+    The digest is SHA-256 of ``namespace`` (the engine's model identity) and the key, checked on
+    every read along with the checksum: a file another engine wrote into the same directory, or
+    two files swapped, read as misses, never as another prompt's or another model's KV. Files are
+    written to a temporary name and renamed into place (a reader never sees half a block), and no
+    symbolic link is followed, read or written. A failed write is counted (``failures``) and the
+    block stays unstored.
+    """
+
+    def __init__(self, capacity: int, blob_bytes: int, directory: str | os.PathLike, pin_memory: bool = False,
+                 namespace: str = ""):
         super().__init__(capacity, blob_bytes)
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ValueError(f"kv_offloading_dir '{self.dir}' exists and is not a directory")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_offloading_dir '{self.dir}' cannot be created: {e}") from e
+        self.namespace = namespace.encode()
         self.pin_memory = pin_memory  # staging buffers of stores (CUDA copies into them)
         self.failures = 0
         self._staging: dict[Key, torch.Tensor] = {}
@@ -151,39 +171,63 @@ class DiskTier(OffloadTier):
     def _path(self, slot: int) -> Path:
         return self.dir / f"block_{slot:08d}.kvb"
 
+    def _digest(self, key: Key) -> bytes:
+        return hashlib.sha256(self.namespace + b"\0" + repr(key).encode()).digest()
+
     def reserve(self, key: Key, nbytes: int) -> torch.Tensor | None:
         if self._busy(key) or self._take_slot(key) is None:
             return None
         self._staging[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         return self._staging[key]
 
-    def commit(self, key: Key) -> None:
+    def commit(self, key: Key) -> bool:
         super().commit(key)
         slot = self.index[key]
         payload = self._staging.pop(key).numpy().tobytes()
+        digest = self._digest(key)
+        path = self._path(slot)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            with open(self._path(slot), "wb") as f:
-                f.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NO_FOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(digest)), digest))
                 f.write(payload)
-        except OSError as e:  # a full disk is a miss later, never a wrong answer
-            logger.warning("offload: cannot write %s (%s); the block will be recomputed", self._path(slot), e)
+            os.replace(tmp, path)  # replaces a link planted at ``path``, never its target
+        except OSError as e:  # a full or unwritable disk is a miss later, never a wrong answer
+            self.failures += 1
+            logger.warning("offload: cannot write %s (%s); the block will be recomputed", path, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             self._forget(key)
+            return False
+        return True
 
     def get(self, key: Key) -> torch.Tensor | None:
         slot = self.index.get(key)
         if slot is None:
             return None
         path = self._path(slot)
+        foreign = False
         try:
-            raw = path.read_bytes()
-            magic, length, crc = _HEADER.unpack_from(raw)
+            fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read()
+            magic, length, crc, digest = _HEADER.unpack_from(raw)
             payload = raw[_HEADER.size:]
-            if magic != _MAGIC or length != len(payload) or zlib.crc32(payload) != crc:
-                raise ValueError("bad header or checksum")
+            if magic != _MAGIC or length != len(payload):
+                raise ValueError("bad header")
+            if digest != self._digest(key):
+                foreign = True
+                raise ValueError("it holds another block (another engine's, or moved)")
+            if zlib.crc32(payload, zlib.crc32(digest)) != crc:
+                raise ValueError("bad checksum")
         except (OSError, ValueError, struct.error) as e:
             self.failures += 1
             logger.warning("offload: %s is missing or corrupt (%s); recomputing instead", path, e)
-            self._forget(key)
+            if foreign:  # the file is not ours to delete: only the slot goes back
+                self._free.append(self.index.pop(key))
+            else:
+                self._forget(key)
             return None
         self.index.move_to_end(key)
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
