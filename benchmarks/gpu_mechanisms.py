@@ -25,43 +25,9 @@ the KV cache of its batches is checked against the memory left (the plan's bytes
 the weights' bytes from the model built on the meta device); after, against the blocks the
 engine really has. A batch that does not fit is recorded as skipped with the reason.
 
-Decode floor, the bytes one step must read at 4.25 TB/s (measured copy bandwidth):
-
-- weights: every parameter of the model (sizes from its modules), except the input embedding,
-  of which only the b rows looked up count; the output head in full; for each MoE layer the
-  routed experts (the stacked ``FusedExperts`` weights) scaled to the experts b tokens touch
-  under uniform routing, E * (1 - (1 - k/E)^b) of E with top-k k, shared experts in full;
-- cache, per layer, for b sequences of ``context`` tokens, with row bytes read from the engine's
-  cache tensors (so fp8 rows count as stored): GQA/MoE 2 * kv_heads * head_dim * dtype bytes a
-  token (a sliding window caps the tokens); MLA one latent row ((kv_lora_rank + rope) * 2 in
-  bf16, 656 B in fp8) a token; DSA the indexer key of every token (128 * 2 B in bf16, 132 in
-  fp8; none in a GLM-5 "shared" layer, which reuses the previous layer's top-k) plus
-  min(context, index_topk) latent rows. At context <= index_topk the engine selects every key
-  without scoring (``ops/triton_mla_sparse.py``), so no indexer key counts there.
-
-Prefill FLOPs of b prompts of C tokens: b * (C * (2 * P + A) + 2 * H), with
-
-- P the parameters a token touches: all but the input embedding, the output head and the routed
-  experts, plus top-k routed experts' share (k/E of each MoE layer's stacked experts), shared
-  experts in full; H the output head, applied once per prompt (the engine computes logits for
-  the sampled row only);
-- A the attention FLOPs of a token, summed over layers, with m(C, cap) the mean over positions
-  p = 1..C of min(p, cap) (uncapped: (C + 1) / 2, i.e. causal C/2):
-  GQA 2 * heads * (head_dim_qk + head_dim_v) * m(C, window) (QK^T and PV);
-  MLA as the engine prefills it, expanded: 2 * heads * (qk_nope + rope + v_head_dim) * m(C);
-  DSA absorbed sparse attention 2 * heads * ((kv_lora_rank + rope) + kv_lora_rank) *
-  m(C, index_topk), plus in each layer with an indexer 2 * index_n_heads * index_head_dim *
-  m(C) (0 when C <= index_topk: nothing is scored then).
-
-Achieved TFLOP/s is against the measured 790 TFLOP/s bf16 matrix product.
-
-A decode step also has a FLOP floor, its FLOPs at 790 TFLOP/s: 2 * (P + H) per token for the
-weights plus the attention of each token over its keys in the form the backends decode (GQA
-2 * heads * (d_qk + d_v) a key; MLA absorbed, 2 * heads * (2 * kv_lora_rank + rope) a key, so 128
-heads do 278 KFLOP per 1,152-byte row: 242 FLOP/B, above the H200's 186, and dense MLA decode at
-128 heads is compute-bound before it is bandwidth-bound; DSA the same over min(context, topk)
-keys, plus the indexer's 2 * n_heads * head_dim per scored key). The table gives both floors and
-the fraction of the larger one reached.
+The floors (the bytes a decode step must read at 4.25 TB/s, its FLOPs at 790 TFLOP/s) and the
+FLOPs of a prefill come from ``benchmarks/step_floors.py``, whose docstring gives the formulas;
+the table gives both decode floors and the fraction of the larger one reached.
 
     python benchmarks/gpu_mechanisms.py [--cases dsv32,glm5] [--batches 1,8] [--contexts 8K,128K]
         [--dsa-long-batches 1,32] [--experts 16] [--new 64] [--kv-cache-dtype fp8] [--block-size 64]
@@ -108,23 +74,33 @@ if "--smoke" in sys.argv:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from step_floors import (  # noqa: E402 (a sibling module: the script's directory is on sys.path)
+    BANDWIDTH,
+    PEAK_FLOPS,
+    attention_flops_per_token,
+    cache_rows,
+    check_rows,
+    decode_cache_bytes,
+    decode_flops,
+    decode_weight_bytes,
+    param_bytes,
+    prefill_flops,
+    prefill_params,
+)
+
 from attnserve import LLM, SamplingParams  # noqa: E402
-from attnserve.arch import LayerKind, ModelArch, load_hf_config, read_arch  # noqa: E402
+from attnserve.arch import ModelArch, load_hf_config, read_arch  # noqa: E402
 from attnserve.attention.registry import BackendSelectionError  # noqa: E402
 from attnserve.config import EngineConfig  # noqa: E402
 from attnserve.engine.plan import plan_engine  # noqa: E402
-from attnserve.layers.moe import FusedExperts  # noqa: E402
 from attnserve.models.registry import get_model_class  # noqa: E402
 from attnserve.platforms import current_platform  # noqa: E402
 from attnserve.presets import resolve_config_path  # noqa: E402
 
-BANDWIDTH = 4.25e12  # B/s, measured device copy bandwidth (docs/performance.md)
-PEAK_FLOPS = 790e12  # FLOP/s, measured bf16 matrix product
 LONG_CONTEXT = 32768  # contexts above this run for the DSA and MLA cases only, at --dsa-long-batches
 GIB = 1024**3
 MARK_BEGIN = "<!-- gpu_mechanisms:begin -->"
@@ -233,171 +209,6 @@ def grid(case: Case, batches: list[int], contexts: list[int], long_batches: list
     return out
 
 
-# --- bytes and FLOPs ----------------------------------------------------------------------
-
-
-def _nbytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def _numel(params) -> int:
-    return sum(p.numel() for p in params)
-
-
-def _embedding_and_head(model: nn.Module) -> tuple[nn.Embedding | None, nn.Linear | None]:
-    """The input embedding and the output head (``CausalLM``'s names; else the first embedding)."""
-    emb = getattr(model, "embed_tokens", None)
-    if not isinstance(emb, nn.Embedding):
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    head = getattr(model, "lm_head", None)
-    return emb, head if isinstance(head, nn.Linear) else None
-
-
-def _tied(emb: nn.Embedding | None, head: nn.Linear | None) -> bool:
-    return emb is not None and head is not None and head.weight is emb.weight
-
-
-def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
-    """Distinct experts ``tokens`` tokens touch when each picks ``top_k`` of ``num_experts``
-    uniformly: E * (1 - (1 - k/E)^b)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
-
-
-def decode_weight_bytes(model: nn.Module, arch: ModelArch, batch: int) -> int:
-    """Weight bytes one decode step of ``batch`` tokens reads (see the module docstring)."""
-    total = _nbytes(model.parameters())  # a tied weight once
-    emb, head = _embedding_and_head(model)
-    if emb is not None and not _tied(emb, head):  # only the looked-up rows are read
-        w = emb.weight
-        total += min(batch, w.shape[0]) * w[0].numel() * w.element_size() - _nbytes([w])
-    for m in model.modules():
-        if isinstance(m, FusedExperts):
-            share = expected_experts(m.num_experts, arch.moe.top_k, batch) / m.num_experts
-            total -= (1.0 - share) * _nbytes(m.parameters())
-    return int(total)
-
-
-def prefill_params(model: nn.Module, arch: ModelArch) -> tuple[float, int]:
-    """(parameters a prompt token multiplies by, parameters of the head applied once a prompt)."""
-    per_token = float(_numel(model.parameters()))
-    emb, head = _embedding_and_head(model)
-    head_params = head.weight.numel() if head is not None else 0
-    per_token -= head_params
-    if emb is not None and not _tied(emb, head):
-        per_token -= emb.weight.numel()
-    for m in model.modules():
-        if isinstance(m, FusedExperts):
-            per_token -= (1.0 - arch.moe.top_k / m.num_experts) * _numel(m.parameters())
-    return per_token, head_params
-
-
-def mean_keys(context: int, cap: int | None = None) -> float:
-    """Mean over positions p = 1..context of min(p, cap): the keys a causal query sees."""
-    if cap is None or cap >= context:
-        return (context + 1) / 2
-    return (cap * (cap + 1) / 2 + (context - cap) * cap) / context
-
-
-def attention_flops_per_token(arch: ModelArch, context: int) -> float:
-    """Attention FLOPs of one prompt token of a ``context``-token prompt, over every layer."""
-    total = 0.0
-    for s in arch.layers:
-        if s.kind in (LayerKind.FULL, LayerKind.SLIDING):
-            total += 2 * s.num_heads * (s.head_size + s.head_size_v) * mean_keys(context, s.window)
-        elif s.kind is LayerKind.MLA:
-            total += 2 * s.num_heads * (s.mla.qk_head_dim + s.mla.v_head_dim) * mean_keys(context)
-        elif s.kind is LayerKind.SPARSE_MLA:
-            idx = s.indexer
-            total += 2 * s.num_heads * (s.mla.latent_dim + s.mla.kv_lora_rank) * mean_keys(context, idx.topk)
-            if idx.has_cache and context > idx.topk:  # at most topk keys visible: nothing is scored
-                total += 2 * idx.n_heads * idx.head_dim * mean_keys(context)
-        else:
-            raise ValueError(f"layer {s.index}: no FLOP count for {s.kind.value} layers")
-    return total
-
-
-def decode_attention_flops(arch: ModelArch, context: int) -> float:
-    """Attention FLOPs of one decode token over ``context`` keys, summed over layers, in the form
-    the backends decode: GQA 2 * heads * (d_qk + d_v) per key; MLA absorbed (one latent KV head,
-    ``kv_lora_rank + rope`` wide keys, ``kv_lora_rank`` wide values) 2 * heads * (L + R + L) per
-    key; DSA the same over min(context, topk) keys plus the indexer's 2 * n_heads * head_dim per
-    context key where it scores."""
-    total = 0.0
-    for s in arch.layers:
-        if s.kind in (LayerKind.FULL, LayerKind.SLIDING):
-            total += 2 * s.num_heads * (s.head_size + s.head_size_v) * min(context, s.window or context)
-        elif s.kind is LayerKind.MLA:
-            total += 2 * s.num_heads * (s.mla.latent_dim + s.mla.kv_lora_rank) * context
-        elif s.kind is LayerKind.SPARSE_MLA:
-            idx = s.indexer
-            total += 2 * s.num_heads * (s.mla.latent_dim + s.mla.kv_lora_rank) * min(context, idx.topk)
-            if idx.has_cache and context > idx.topk:
-                total += 2 * idx.n_heads * idx.head_dim * context
-        else:
-            raise ValueError(f"layer {s.index}: no FLOP count for {s.kind.value} layers")
-    return total
-
-
-def decode_flops(model: nn.Module, arch: ModelArch, batch: int, context: int) -> float:
-    """FLOPs of one decode step of ``batch`` tokens: 2 * (P + H) + attention, per token."""
-    per_token, head = prefill_params(model, arch)
-    return batch * (2 * (per_token + head) + decode_attention_flops(arch, context))
-
-
-def prefill_flops(model: nn.Module, arch: ModelArch, batch: int, context: int) -> float:
-    """FLOPs of prefilling ``batch`` prompts of ``context`` tokens: b * (C * (2P + A) + 2H)."""
-    per_token, head = prefill_params(model, arch)
-    return batch * (context * (2 * per_token + attention_flops_per_token(arch, context)) + 2 * head)
-
-
-def _row_bytes(cache) -> int:
-    """Bytes of one token's row in a paged cache tensor [blocks, block_size, ...] (or a tuple)."""
-    if isinstance(cache, (tuple, list)):
-        return sum(_row_bytes(t) for t in cache)
-    return cache[0, 0].numel() * cache.element_size()
-
-
-def cache_rows(model: nn.Module) -> dict[int, dict[str, int]]:
-    """Per cache-owning layer, the bytes of one token's row in each of its cache entries, read
-    from the tensors the engine bound (``kv`` for K and V together, ``latent``, ``indexer``)."""
-    rows: dict[int, dict[str, int]] = {}
-    for m in model.modules():
-        layer, cache = getattr(m, "layer_id", None), getattr(m, "kv_cache", None)
-        if layer is None or cache is None:
-            continue
-        entries = cache if isinstance(cache, dict) else {"kv": cache}
-        rows[layer] = {name: _row_bytes(t) for name, t in entries.items()}
-    return rows
-
-
-def check_rows(rows: dict[int, dict[str, int]], plan) -> None:
-    """The rows read from the tensors must be the plan's bytes per token (a changed layout
-    would make the floor count something else)."""
-    for e in plan.entries:
-        got = rows.get(e.layer, {}).get(e.name)
-        if got != e.spec.bytes_per_token:
-            raise RuntimeError(f"layer {e.layer} {e.name}: cache row of {got} bytes, the plan says "
-                               f"{e.spec.bytes_per_token}")
-
-
-def decode_cache_bytes(arch: ModelArch, rows: dict[int, dict[str, int]], batch: int, context: int) -> int:
-    """Cache bytes one decode step of ``batch`` sequences of ``context`` tokens reads."""
-    total = 0
-    for layer, r in rows.items():
-        s = arch.layers[layer]
-        if s.kind in (LayerKind.FULL, LayerKind.SLIDING):
-            total += r["kv"] * min(context, s.window or context)
-        elif s.kind is LayerKind.MLA:
-            total += r["latent"] * context
-        elif s.kind is LayerKind.SPARSE_MLA:
-            total += r["latent"] * min(context, s.indexer.topk)
-            if context > s.indexer.topk:  # else every key is selected unscored
-                total += r.get("indexer", 0) * context
-        else:
-            raise ValueError(f"layer {layer}: no cache count for {s.kind.value} layers")
-    return total * batch
-
-
 # --- memory checks ------------------------------------------------------------------------
 
 
@@ -410,7 +221,7 @@ def meta_weight_bytes(arch: ModelArch, dtype: str) -> int:
             model = get_model_class(arch)(arch)
     finally:
         torch.set_default_dtype(previous)
-    return _nbytes(model.parameters())
+    return param_bytes(model.parameters())
 
 
 def kv_precheck(path: str, kwargs: dict, batches: list[int]) -> tuple[list[int], dict[int, str]]:

@@ -249,13 +249,7 @@ class LLMEngine:
 
     def _fail_request(self, req, exc: BaseException) -> list[RequestOutput]:
         """Finish one request whose step failed with it alone; returns its final output."""
-        message = f"{type(exc).__name__}: {exc}"
-        self.scheduler.kv.free(req, uncache=True)  # what the step wrote is not to be reused
-        if req in self.scheduler.running:
-            self.scheduler.running.remove(req)
-        req.num_inflight = 0
-        self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR, message)
-        req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, message
+        self.scheduler.fail_after_fault(req, f"{type(exc).__name__}: {exc}")
         state, c = self._child_to_state[req.request_id]
         state.finish(c)
         if not state.finished:

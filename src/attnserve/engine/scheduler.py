@@ -118,25 +118,33 @@ class Scheduler:
         for req in reversed(requests):
             if req.is_finished:
                 continue
-            if req in self.running:
-                self.running.remove(req)
-            else:
-                try:
-                    self.waiting.remove(req)
-                except ValueError:
-                    pass
-            self.kv.free(req, uncache=True)
-            if self.offload is not None:
-                self.offload.forget(req.request_id)
+            self._detach_faulted(req)
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
-            req.num_inflight = 0
             for made, state in req.rng_checkpoints:  # undo the draws of samples never appended
                 if made == req.num_output_tokens:
                     req.generator.set_state(state)
             req.rng_checkpoints = []
             self.waiting.appendleft(req)
         self.suspects.extend(r for r in requests if not r.is_finished and r not in self.suspects)
+
+    def fail_after_fault(self, req: Request, message: str) -> None:
+        """Finish ``req``, whose step failed with it alone, with ``FINISHED_ERROR``."""
+        self._detach_faulted(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        req.stop_reason = message
+
+    def _detach_faulted(self, req: Request) -> None:
+        """Take a request of a failed step out of the running list or the queue: its blocks are
+        freed and leave the prefix-cache index, its in-flight token is dropped."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req, uncache=True)
+        if self.offload is not None:
+            self.offload.forget(req.request_id)
+        req.num_inflight = 0
 
     def _focus(self) -> Request | None:
         """The suspect to run alone this step, or None (finished ones are dropped)."""

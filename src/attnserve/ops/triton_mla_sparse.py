@@ -405,7 +405,8 @@ def lightning_indexer_topk(
             (DeepSeek's fp8 scores: q is rotated and quantised per (token, head) here).
         block_table, query_start_loc, seq_lens, positions: as in ``indexer_logits``; every
             position must be below its request's length.
-        topk: output width; max_query_len, max_seq_len: host-side bounds.
+        topk: output width; max_query_len, max_seq_len: host-side bounds. ``max_query_len``
+            1 means a decode batch: row i is request i's one token.
         config: launch shape of the logits kernel.
     Returns:
         [T, topk] int32 absolute positions, -1 in unused slots; a set: decode rows come in

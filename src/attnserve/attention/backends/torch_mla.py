@@ -37,6 +37,7 @@ __all__ = [
     "attend_expanded",
     "pack_latent_rows",
     "read_latent",
+    "scatter_rows",
     "write_latent_rows",
 ]
 
@@ -62,13 +63,19 @@ def write_latent_rows(
         slot_mapping: [T] int64.
         kv_lora_rank: L.
     """
+    scatter_rows(cache, pack_latent_rows(rows, cache, kv_lora_rank), slot_mapping)
+
+
+def scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``rows`` [T, W] (already in the cache's dtype and row width) at their slots of a
+    paged cache [num_blocks, block_size, W]; slot -1 writes nothing.
+
+    No boolean indexing (its size is data, which a CUDA graph cannot replay): a row with slot -1
+    rewrites slot 0, a row of the null block that no token owns, with what it holds.
+    """
     flat = cache.view(-1, cache.shape[-1])  # [num_slots, row width]
-    # no boolean indexing (its size is data, which a CUDA graph cannot replay): a row with slot
-    # -1 rewrites slot 0, a row of the null block that no token owns, with what it holds
     slots = slot_mapping.clamp(min=0)
-    packed = pack_latent_rows(rows, cache, kv_lora_rank)
-    packed = torch.where((slot_mapping >= 0)[:, None], packed, flat.index_select(0, slots))
-    flat.index_copy_(0, slots, packed)
+    flat.index_copy_(0, slots, torch.where((slot_mapping >= 0)[:, None], rows, flat.index_select(0, slots)))
 
 
 def pack_latent_rows(rows: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from attnserve.attention.backend import AttentionBackend
-from attnserve.attention.backends.torch_mla import read_latent, write_latent_rows
+from attnserve.attention.backends.torch_mla import read_latent, scatter_rows, write_latent_rows
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.kvcache.fp8 import (
     hadamard,
@@ -76,15 +76,10 @@ def write_indexer_rows(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch
         k: [T, D] un-rotated keys.
         slot_mapping: [T] int64.
     """
-    flat = cache.view(-1, cache.shape[-1])  # [num_slots, row width]
     rows = quantize_indexer_fp8(k) if cache.dtype == torch.uint8 else k.to(cache.dtype)
-    if rows.shape[-1] != flat.shape[-1]:
-        raise ValueError(f"indexer rows of {rows.shape[-1]} do not fit a cache of {flat.shape[-1]}")
-    # no boolean indexing (a CUDA graph cannot replay a data-dependent size): a row with slot -1
-    # rewrites slot 0, a row of the null block that no token owns, with what it holds
-    slots = slot_mapping.clamp(min=0)
-    rows = torch.where((slot_mapping >= 0)[:, None], rows, flat.index_select(0, slots))
-    flat.index_copy_(0, slots, rows)
+    if rows.shape[-1] != cache.shape[-1]:
+        raise ValueError(f"indexer rows of {rows.shape[-1]} do not fit a cache of {cache.shape[-1]}")
+    scatter_rows(cache, rows, slot_mapping)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, key_rows: torch.Tensor) -> torch.Tensor:

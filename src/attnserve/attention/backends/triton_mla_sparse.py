@@ -6,8 +6,9 @@ docstring defines the two calls a sparse layer makes:
 1. ``select_topk``: stores the new indexer keys (``write_indexer_rows``: model dtype or
    132-byte fp8 rows), then ``ops/triton_mla_sparse.lightning_indexer_topk`` scores every
    visible key in one kernel (exact over a model-dtype cache, DeepSeek's fp8 formula over an
-   fp8 cache) and keeps the best ``topk`` by radix select (``ops/triton_topk.py``). Decodes are one batched call;
-   prefills one request at a time, in query chunks that bound the [Q, S] logits. Rows that
+   fp8 cache) and keeps the best ``topk``: decodes are one batched call, selected by radix
+   select (``ops/triton_topk.py``, reading each row only up to its length); prefills one
+   request at a time, in query chunks that bound the [Q, S] logits, selected by ``torch.topk``. Rows that
    see at most ``topk`` keys select all of them without scoring, in position order (the
    selection is a set: attention does not depend on its order).
 2. ``forward(..., topk_indices=...)``: stores the new latent rows, absorbs the queries and runs
