@@ -103,11 +103,13 @@ class StateBackend(Backend):
     that is PyTorch's unless the backend names a kernel.
 
     Subclasses set ``name``, ``step`` (the mechanism's layer step, ``steps.py``) and, for a fused
-    decode kernel, ``decode`` (called as the PyTorch one-token form it replaces).
+    decode kernel, ``decode`` (called as the PyTorch one-token form it replaces); for a prefill
+    kernel, ``prefill`` (called as the PyTorch chunked form it replaces).
     """
 
     step: ClassVar[Callable[..., torch.Tensor]]
     decode: ClassVar[Callable[..., torch.Tensor] | None] = None
+    prefill: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> StateMetadata:
         return build_state_metadata(common)
@@ -124,5 +126,6 @@ class StateBackend(Backend):
         Returns:
             The mechanism's output per token (``step`` gives its shape).
         """
-        kernel = {} if self.decode is None else {"decode": self.decode}
-        return self.step(layer, *inputs, state_cache, metadata, **kernel)
+        kernels = {name: fn for name, fn in (("decode", self.decode), ("prefill", self.prefill))
+                   if fn is not None}
+        return self.step(layer, *inputs, state_cache, metadata, **kernels)

@@ -4,7 +4,8 @@
 the state backends (``base.StateBackend``): the short convs where the mechanism has them, then
 the recurrent one-token form for the step's decode tokens and the chunked (block, scan) form for
 the rest, each continuing its sequence's state. ``decode`` is the one-token form; a TRITON_*
-backend passes its fused kernel, called with the same arguments.
+backend passes its fused kernel, called with the same arguments, and ``prefill`` likewise replaces
+the chunked form.
 
 What it is not: the projections, gates and norms (the layers, ``layers/``), the arithmetic
 (``gated_delta.py``, ``mamba.py``, ``lightning.py``, ``kda.py``, ``conv.py``), or a kernel.
@@ -62,6 +63,7 @@ def gdn_forward(
     metadata: StateMetadata,
     *,
     decode: Callable[..., torch.Tensor] = gated_delta_decode,
+    prefill: Callable[..., torch.Tensor] = gated_delta_prefill,
 ) -> torch.Tensor:
     """The delta-rule output of every token; the layer's conv and recurrent states advance.
 
@@ -73,7 +75,8 @@ def gdn_forward(
         state_cache: ``conv[0]`` [num_slots, C, K-1], ``recurrent[0]`` [num_slots, Hv, dk, dv].
         metadata: the step's ``StateMetadata``.
         decode: the recurrent step of the decode tokens, called as ``gated_delta_decode``
-            (TRITON_GDN passes its fused kernel); prefills always take the chunked form.
+            (TRITON_GDN passes its fused kernel).
+        prefill: the chunked form of the prefill tokens, called as ``gated_delta_prefill``.
     Returns:
         [T, Hv, dv] in the dtype of ``mixed_qkv``.
     """
@@ -87,12 +90,13 @@ def gdn_forward(
     state, md = state_cache.recurrent[0], metadata
     return md.split(
         lambda s: decode(q[s], k[s], v[s], g[s], beta[s], state, state_indices=md.decode_slots, use_qk_l2norm=True),
-        lambda s: gated_delta_prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
-                                      use_qk_l2norm=True, chunk_size=md.chunk_size(64)))
+        lambda s: prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
+                          use_qk_l2norm=True, chunk_size=md.chunk_size(64)))
 
 
 def mamba_forward(layer, x: torch.Tensor, z: torch.Tensor, state_cache: Any, metadata: StateMetadata, *,
-                  decode: Callable = selective_scan_decode) -> torch.Tensor:
+                  decode: Callable = selective_scan_decode,
+                  prefill: Callable = selective_scan_prefill) -> torch.Tensor:
     """The gated scan output of every token; the layer's conv and SSM states advance.
 
     Args:
@@ -103,6 +107,7 @@ def mamba_forward(layer, x: torch.Tensor, z: torch.Tensor, state_cache: Any, met
         state_cache: ``conv[0]`` [num_slots, Di, K-1], ``recurrent[0]`` [num_slots, Di, N].
         metadata: the step's ``StateMetadata``.
         decode: the one-token scan step, called as ``selective_scan_decode``.
+        prefill: the chunked scan of the prefill tokens, called as ``selective_scan_prefill``.
     Returns:
         [T, Di] ``(C . h + D x) * SiLU(z)`` in the dtype of ``x``.
     """
@@ -112,12 +117,13 @@ def mamba_forward(layer, x: torch.Tensor, z: torch.Tensor, state_cache: Any, met
     state, md = state_cache.recurrent[0], metadata
     return md.split(
         lambda s: decode(xc[s], dt[s], a, b[s], c[s], d, z[s], state, state_indices=md.decode_slots),
-        lambda s: selective_scan_prefill(xc[s], dt[s], a, b[s], c[s], d, z[s], state, **md.prefill_args(),
-                                         chunk_size=md.chunk_size(128)))
+        lambda s: prefill(xc[s], dt[s], a, b[s], c[s], d, z[s], state, **md.prefill_args(),
+                          chunk_size=md.chunk_size(128)))
 
 
 def lightning_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_cache: Any,
-                      metadata: StateMetadata, *, decode: Callable = lightning_attention_decode) -> torch.Tensor:
+                      metadata: StateMetadata, *, decode: Callable = lightning_attention_decode,
+                      prefill: Callable = lightning_attention_prefill) -> torch.Tensor:
     """``o_t = sum_{j<=t} lambda^(t-j) (q_t . k_j) v_j`` per head, over cached and new tokens.
 
     Args:
@@ -127,18 +133,20 @@ def lightning_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         state_cache: ``recurrent[0]`` [num_slots, H, dk, dv] (no conv state).
         metadata: the step's ``StateMetadata``.
         decode: the one-token step, called as ``lightning_attention_decode``.
+        prefill: the block form of the prefill tokens, called as ``lightning_attention_prefill``.
     Returns:
         [T, H, dv] in the dtype of ``v``.
     """
     state, rates, md = state_cache.recurrent[0], layer.decay_rates, metadata
     return md.split(
         lambda s: decode(q[s], k[s], v[s], rates, state, state_indices=md.decode_slots),
-        lambda s: lightning_attention_prefill(q[s], k[s], v[s], rates, state, **md.prefill_args(),
-                                              block_size=md.chunk_size(layer.block_size)))
+        lambda s: prefill(q[s], k[s], v[s], rates, state, **md.prefill_args(),
+                          block_size=md.chunk_size(layer.block_size)))
 
 
 def kda_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state_cache: Any, metadata: StateMetadata, *, decode: Callable = kda_decode) -> torch.Tensor:
+                state_cache: Any, metadata: StateMetadata, *, decode: Callable = kda_decode,
+                prefill: Callable = kda_prefill) -> torch.Tensor:
     """The KDA output of every token; the layer's three conv states and its state advance.
 
     Args:
@@ -149,6 +157,7 @@ def kda_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
             [num_slots, H, d, d].
         metadata: the step's ``StateMetadata``.
         decode: the one-token step, called as ``kda_decode``.
+        prefill: the chunked form of the prefill tokens, called as ``kda_prefill``.
     Returns:
         [T, H, d] in the dtype of ``v``.
     """
@@ -161,5 +170,5 @@ def kda_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return md.split(
         lambda s: decode(q[s], k[s], v[s], g[s], beta[s], state, state_indices=md.decode_slots,
                          use_qk_l2norm=True),
-        lambda s: kda_prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
-                              use_qk_l2norm=True, chunk_size=md.chunk_size(64)))
+        lambda s: prefill(q[s], k[s], v[s], g[s], beta[s], state, **md.prefill_args(),
+                          use_qk_l2norm=True, chunk_size=md.chunk_size(64)))
