@@ -93,6 +93,14 @@ VARIANTS = {
     "attnserve-demo-gqa": ("llama", dict(COMMON, num_key_value_heads=2)),
     "attnserve-demo-mla": ("deepseek_v3", dict(COMMON, **MLA)),
     "attnserve-demo-dsa": ("deepseek_v32", dict(COMMON, **MLA, index_n_heads=16, index_head_dim=32, index_topk=64)),
+    # Not shipped: trained by benchmarks/gpu_hybrid_drift.py to show what bf16 greedy agreement means on a
+    # hybrid model that has learnt something. Qwen3-Next's layer (Gated DeltaNet, 3 of every 4 layers; gated
+    # full attention) with a dense MLP on every layer.
+    "attnserve-demo-gdn": ("qwen3_next", dict(COMMON, num_hidden_layers=8, num_key_value_heads=2, head_dim=32,
+                                              linear_num_key_heads=4, linear_num_value_heads=8,
+                                              linear_key_head_dim=32, linear_value_head_dim=32,
+                                              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+                                              mlp_only_layers=list(range(8)))),
 }
 
 
@@ -261,7 +269,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "attnserve-demo-gdn"])
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     out = Path(args.out)
