@@ -48,6 +48,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto | fp8 | bfloat16 | float16 | float32
     indexer_cache_dtype: str = "auto"  # auto: fp8 when kv_cache_dtype is fp8, else the model dtype
     mamba_ssm_cache_dtype: str = "float32"  # recurrent state of state layers
+    num_state_snapshots: int | None = None  # state layers' prefix-cache snapshots (None: max_num_seqs)
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: float | None = None  # GiB for the KV cache (CPU default: a share of free memory)
@@ -63,6 +64,9 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive GiB, got {self.kv_cache_memory}")
+        if self.num_state_snapshots is not None and not (
+                isinstance(self.num_state_snapshots, int) and 0 <= self.num_state_snapshots <= 1 << 20):
+            raise ValueError(f"num_state_snapshots must be an integer in [0, 2**20], got {self.num_state_snapshots!r}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (block 0 is the null block)")
         if (self.streaming_sinks is None) != (self.streaming_window is None):

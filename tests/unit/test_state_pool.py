@@ -99,3 +99,23 @@ def test_preemption_frees_the_state_slot():
     assert sched.stats.num_preemptions > 0
     kv.check_integrity()
     assert not kv.state_pool.slot_of
+
+
+def test_num_state_snapshots_sizes_the_pool(tmp_path):
+    """``num_state_snapshots`` sets the snapshot slots apart from ``max_num_seqs`` (default: as
+    many as running slots); a bad value is refused where it enters."""
+    from attnserve import LLM
+    from attnserve.config import CacheConfig
+    from tests.models.parity import build_hf_model
+    from tests.models.test_parity_hybrid import HYBRID
+
+    build_hf_model(*HYBRID["qwen3_5"], tmp_path)
+    pools = {}
+    for wanted in (None, 7):
+        llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=3, max_model_len=64,
+                  num_state_snapshots=wanted)
+        pools[wanted] = llm.llm_engine.kv_manager.state_pool.num_slots
+    assert pools == {None: 1 + 3 + 3, 7: 1 + 3 + 7}
+    for bad in (-1, 2.5, 1 << 21):
+        with pytest.raises(ValueError, match="num_state_snapshots"):
+            CacheConfig(num_state_snapshots=bad)

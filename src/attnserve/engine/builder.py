@@ -241,8 +241,10 @@ def _size_cache(plan: EnginePlan, config: EngineConfig, model: torch.nn.Module, 
     per_block = plan.bytes_per_block if host_latents is None else host_latents.device_bytes_per_block
     needed = (config.scheduler.max_num_seqs * plan.layout.blocks_for(max_len) + 1) * per_block
     state_pool, state_bytes = None, 0
-    if plan.state_groups:  # one slot per running sequence, as many snapshot slots for prefix hits
-        snapshots = config.scheduler.max_num_seqs if config.cache.enable_prefix_caching else 0
+    if plan.state_groups:  # one slot per running sequence, and snapshot slots for prefix hits
+        wanted = config.cache.num_state_snapshots
+        snapshots = config.scheduler.max_num_seqs if wanted is None else wanted
+        snapshots = snapshots if config.cache.enable_prefix_caching else 0
         state_pool = StatePool(config.scheduler.max_num_seqs, snapshots)
         state_bytes = state_pool.num_slots * plan.state_bytes_per_sequence
     staging_bytes = 0 if host_latents is None else host_latents.staging_bytes
