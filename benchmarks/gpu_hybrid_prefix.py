@@ -27,7 +27,8 @@ the medians, and recompute / hit, the figure the goal names.
         [--hits 3] [--repeats 2] [--state-backend triton] [--block-size 16] [--budget-s 400] [--smoke]
 
 ``--smoke``: qwen3_next at gpu_mechanisms' toy sizes on CPU (float32, Triton's interpreter),
-a 64-token prompt, blocks of 8, one round; exits non-zero unless the hits hit and match.
+a 64-token prompt, tails of 11 (two steps each), blocks of 8, one round; exits non-zero
+unless every hit hits and its first token is the recompute's.
 Writes ``$OUT/gpu_hybrid_prefix.json`` when ``OUT`` is set (after every case).
 """
 
@@ -107,6 +108,15 @@ def one_round(llm: LLM, length: int, tail: int, hits: int, seed: int) -> dict:
             "top5_max_diff": max((abs(a[t] - b[t]) for t in shared), default=None), "problems": problems}
 
 
+def snapshot_slots(args) -> int:
+    """``max_num_seqs``, which is also the engine's count of state snapshot slots (least recently
+    used evicted). A round takes about 3 snapshots for P (its chunk ends, its last boundary, its
+    end) and up to 2 a hit (a tail that crosses a boundary is computed in two steps, each
+    ending on a boundary): with 2 slots, a round's second hit found P's snapshot evicted by the
+    first hit's and recomputed everything."""
+    return 2 * (args.hits + 4)
+
+
 def run_case(name: str, args) -> dict:
     """One engine, a warm-up round, ``args.repeats`` measured rounds; the case's summary."""
     case = CASES[name]
@@ -116,7 +126,7 @@ def run_case(name: str, args) -> dict:
     path, changed = model_dir(case, args.experts, args.smoke)
     result["overrides"] = changed
     kwargs = dict(load_format="dummy", dtype="float32" if args.smoke else "bfloat16", attention_backend=backend,
-                  max_model_len=args.prompt + args.tail + 16, max_num_seqs=2, enforce_eager=True,
+                  max_model_len=args.prompt + args.tail + 16, max_num_seqs=snapshot_slots(args), enforce_eager=True,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                   enable_prefix_caching=True)
     if args.smoke:
@@ -191,7 +201,7 @@ def parse_args() -> argparse.Namespace:
                     help="no new round or case starts after this many seconds (each case runs one round)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU under Triton's interpreter")
     args = ap.parse_args()
-    defaults = ({"cases": "qwen3_next", "prompt": "64", "tail": 5, "hits": 2, "repeats": 1, "block_size": 8}
+    defaults = ({"cases": "qwen3_next", "prompt": "64", "tail": 11, "hits": 2, "repeats": 1, "block_size": 8}
                 if args.smoke else {"cases": "qwen3_next,jamba", "prompt": "32K", "tail": 32, "hits": 3,
                                     "repeats": 2, "block_size": None})
     for key, value in defaults.items():
