@@ -174,9 +174,9 @@ KIMI_LINEAR_CUT = {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim":
 #   docstring calls the Qwen3.5-35B-A3B configuration and which agree with that release's
 #   config.json as published inventories of it list them (hidden 2048, 40 layers, 3 GDN : 1
 #   full attention, GDN 16 key / 32 value heads of 128, attention 16 / 2 heads of 256, 256
-#   experts top-8 of 512 plus a shared expert of 512, vocabulary 248,320, rope_theta 1e7 on a
-#   quarter of the head); max_position_embeddings is the release's 262,144 (the class default
-#   is 32,768).
+#   routed experts (top-8) and a shared expert, each of intermediate size 512, vocabulary
+#   248,320, rope_theta 1e7 on a quarter of the head); max_position_embeddings is the
+#   release's 262,144 (the class default is 32,768).
 # - MiniMax-Text-01 (minimax): /work/shared/specs/algorithms.md section 4.3 (transformers'
 #   ``MiniMaxConfig`` defaults are Mixtral's sizes, not this model's): hidden 6144, 80 layers,
 #   7 lightning : 1 softmax, 64 heads of 128 (8 KV heads in the softmax layers, RoPE on 64
@@ -392,15 +392,15 @@ def snapshot_room(case: Case, context: int, args) -> int:
     that its state snapshots outlive the grid. The engine keeps ``max_num_seqs`` snapshot slots
     (least recently used evicted) and takes one wherever a step leaves a request on a block
     boundary: at each prefill chunk's end (about ceil(context / max_num_batched_tokens) + 2 a
-    prompt, the last boundary and the end included) and every block_size decoded tokens (the
-    decode cells' N + 12 tokens a run). Sized as the batch, the snapshots of the prefill cell
+    prompt, the last boundary and the end included) and every block_size decoded tokens (a
+    decode cell's run decodes N - 4). Sized as the batch, the snapshots of the prefill cell
     were evicted before the decode cells came back to them, which then prefilled their prompts
     again (64 x 32K tokens at batch 64, in every repeat). The running slots this adds cost state
     memory only (Qwen3-Next's cut: 6 MiB a slot)."""
     if not case.state:
         return 1
     block = args.block_size or 16
-    return math.ceil(context / args.max_num_batched_tokens) + 3 + math.ceil((args.new + 16) / block)
+    return math.ceil(context / args.max_num_batched_tokens) + 3 + math.ceil(args.new / block)
 
 
 def engine_kwargs(args, case: Case, context: int, max_batch: int, state_backend: str = "triton") -> dict:
