@@ -9,6 +9,23 @@ Real configs cut to 4 full-width layers, dummy bf16 weights, through ``LLM(...)`
 - ``glm5`` (DSA): GLM-5, the same cut (its ``n_group``/``topk_group`` of 1 divide any count),
   TRITON_MLA_SPARSE.
 
+Hybrids, cut to their layer period at full width, every routed expert kept; the state layers
+run the backend ``--state-backend`` names (TRITON_<kind>, default, or TORCH_<kind>: a
+state-only name applies to the layers it handles), the attention layers the platform's first
+that fits (on CUDA TRITON_ATTN, TRITON_MLA for Kimi's MLA):
+
+- ``qwen3_next`` (GDN+GQA): Qwen3-Next-80B-A3B, 3 Gated DeltaNet + 1 gated attention layer,
+  every layer MoE with all 512 experts (top-10) and the shared expert (13.4 GiB of weights);
+- ``qwen35`` (GDN+GQA): Qwen3.5-27B (dense), the same 3 + 1 (7.6 GiB);
+- ``qwen35_moe`` (GDN+GQA): Qwen3.5-35B-A3B, the same 3 + 1, 256 experts top-8 and a shared
+  expert (8.2 GiB; its config is ``RELEASED``'s, see there);
+- ``kimi_linear`` (KDA+MLA): Kimi-Linear-48B-A3B, 3 KDA + 1 MLA layer, layer 0 dense, the
+  others 256 experts top-8 and a shared expert (12.0 GiB);
+- ``jamba`` (Mamba+GQA): AI21-Jamba-1.5-Mini, one period of 8: 7 Mamba + 1 attention layer
+  (layer 4), MoE (16 experts top-2) at the odd layers (24.8 GiB);
+- ``minimax`` (lightning+GQA): MiniMax-Text-01 (``RELEASED``'s config), 3 lightning + 1
+  softmax layer (the released 7 : 1 would be 8 layers, 87 GiB), all 32 experts top-2 (46.7 GiB).
+
 ``--experts N`` sets the routed experts of the three DeepSeek/GLM cuts; ``n_group`` becomes the
 largest divisor of N not above the config's, ``topk_group`` at least enough groups for top-k.
 
@@ -17,7 +34,10 @@ at the ``--dsa-long-batches`` (1, 32). One engine per (case, context): ``max_num
 largest batch, ``max_model_len`` context + new tokens + 16. Its largest batch of distinct random
 prompts (no two share a block) runs once with ``max_tokens=1`` after a short warm-up: that is
 the prefill cell, and it fills the prefix cache. Then for each batch b the first b prompts run
-again (prefix hits: only the last block is recomputed) through the engine's ``step``: once
+again (prefix hits: only the last block is recomputed; a hybrid restores its state snapshot at
+that block, for which its engine gets ``snapshot_room`` times the sequences, so that the
+snapshots outlive the grid; ``prefix_hit_fraction`` in each decode cell says how much of the
+prompts the cache served) through the engine's ``step``: once
 every request has its first token and 4 more steps have run, N - 16 decode steps are timed
 (synchronised at both ends), the median of ``--repeats``: decode ms per step. (Subtracting a
 1-token ``generate`` from an N-token one left the prefill's variance in the result.) Before an engine is built,
@@ -29,24 +49,33 @@ The floors (the bytes a decode step must read at 4.25 TB/s, its FLOPs at 790 TFL
 FLOPs of a prefill come from ``benchmarks/step_floors.py``, whose docstring gives the formulas;
 the table gives both decode floors and the fraction of the larger one reached.
 
-    python benchmarks/gpu_mechanisms.py [--cases dsv32,glm5] [--batches 1,8] [--contexts 8K,128K]
+    python benchmarks/gpu_mechanisms.py [--cases dsv32,glm5|hybrids] [--batches 1,8] [--contexts 8K,128K]
         [--dsa-long-batches 1,32] [--experts 16] [--new 64] [--kv-cache-dtype fp8] [--block-size 64]
-        [--max-num-batched-tokens 16384] [--docs docs/performance.md] [--smoke]
+        [--max-num-batched-tokens 16384] [--state-backend torch,triton] [--budget-s 540]
+        [--docs docs/performance.md] [--smoke]
     python benchmarks/gpu_mechanisms.py --render run1.json run2.json [--docs docs/performance.md]
 
 Prints a JSON line per cell as it completes, then a markdown table; writes
-``$OUT/gpu_mechanisms.json`` (cells, options, environment) when ``OUT`` is set; ``--docs``
+``$OUT/gpu_mechanisms.json`` (cells, options, environment) when ``OUT`` is set, after every cell
+(``"partial": true`` until the run ends), so a command stopped by its time limit keeps its
+cells; ``--budget-s`` starts no engine or decode cell after that many seconds; ``--docs``
 rewrites the table between the ``gpu_mechanisms`` markers of that markdown file (appending the
 section when they are missing). A device command is limited in time: run the grid in parts
 (``--cases``, ``--contexts``) and ``--render`` their JSON files into one table (a later file's
 cell replaces an earlier one's). The long DSA prefills dominate the cost: 32 prompts of 128K
 are 4.2M prompt tokens, about 48 PFLOP for the DeepSeek-V3.2 cut (28 of them attention and
-indexer), minutes at the rates ``gpu_mla.py`` measured.
+indexer), minutes at the rates ``gpu_mla.py`` measured. For the hybrids, the prefills of their
+state layers in PyTorch (chunked delta rule, Mamba's log-step scan) set the pace: Jamba's seven
+Mamba layers move about 6 GB of float32 scan tensors per 128-token chunk and layer; estimated
+(not measured) 64 x 32K prompts take 30-60 s a case, Jamba's 4-5 minutes. ``--state-backend
+torch,triton`` runs each hybrid with both; its cells carry ``state_backend``.
 
 ``--smoke``: the five cases at toy sizes on CPU in float32 under Triton's interpreter (one
 layer for the GQA, MoE and MLA cases and DeepSeek-V3.2, whose one layer is MoE; GLM-5 one dense
 and one MoE layer, the second a "shared" layer without indexer; index_topk 16 so the indexer
-selects), batch 1/2, contexts 32/64, 3 new tokens, one repeat, blocks of 8, no warm-up; then the
+selects), and the hybrids of ``SMOKE_HYBRIDS`` (one per state kind: a state and an attention
+layer each, TRITON_<kind> under the interpreter, the first context only; ``--cases hybrids``
+all six), batch 1/2, contexts 32/64, 3 new tokens, one repeat, blocks of 8, no warm-up; then the
 docs rewrite into a temporary file and the JSON read back. It exits non-zero unless every cell
 ran; a device run exits non-zero when a cell failed (skipped cells are not failures).
 """
@@ -54,6 +83,7 @@ ran; a device run exits non-zero when a cell failed (skipped cells are not failu
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -86,10 +116,12 @@ from step_floors import (  # noqa: E402 (a sibling module: the script's director
     check_rows,
     decode_cache_bytes,
     decode_flops,
+    decode_state_bytes,
     decode_weight_bytes,
     param_bytes,
     prefill_flops,
     prefill_params,
+    state_rows,
 )
 
 from attnserve import LLM, SamplingParams  # noqa: E402
@@ -111,19 +143,66 @@ JSON_NAME = "gpu_mechanisms.json"
 
 @dataclass(frozen=True)
 class Case:
-    """One mechanism: a real config, its cut, and the backend that runs it."""
+    """One mechanism: a real config, its cut, and the backend that runs it (for a hybrid, the
+    backend of its state layers; its attention layers take the platform's first that fits)."""
 
     name: str
-    config: str  # the Hugging Face name ``resolve_config_path`` finds
+    config: str  # the Hugging Face name ``resolve_config_path`` finds, or a key of RELEASED
     mechanism: str
-    backend: str
-    overrides: dict = field(default_factory=dict)
+    backend: str = ""  # the attention backend; hybrids: "" (``state`` names theirs)
+    overrides: dict = field(default_factory=dict)  # on the text config (``text_config`` if nested)
     cut_experts: bool = False  # ``--experts`` sets its routed experts
     long: bool = False  # also runs the long contexts (DSA, and dense MLA to compare with)
     smoke_overrides: dict = field(default_factory=dict)  # on top of SMOKE
+    state: str = ""  # hybrids: the state mechanism of the backend names (TORCH_<state>, TRITON_<state>)
+
+    def backend_name(self, state_backend: str = "triton") -> str:
+        """The ``attention_backend`` the engine is given: a state-only name for a hybrid, which
+        the registry applies to the layers it handles (``override_for``)."""
+        return f"{state_backend.upper()}_{self.state}" if self.state else self.backend
 
 
 DEEPSEEK_CUT = {"num_hidden_layers": 4, "first_k_dense_replace": 1}
+FOUR_HYBRID = ["linear_attention"] * 3 + ["full_attention"]  # the 3:1 period of Qwen3-Next/3.5
+TWO_HYBRID = ["linear_attention", "full_attention"]
+# Kimi-Linear's layers 1-3 KDA, 4 MLA (1-based, as in its checkpoint), heads as released
+KIMI_LINEAR_CUT = {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 128, "num_heads": 32,
+                   "short_conv_kernel_size": 4}
+
+# Released models without a config file in the repository, by the name a Case gives:
+# - Qwen3.5-35B-A3B (qwen3_5_moe): transformers' ``Qwen3_5MoeTextConfig`` defaults, which its
+#   docstring calls the Qwen3.5-35B-A3B configuration and which agree with that release's
+#   config.json as published inventories of it list them (hidden 2048, 40 layers, 3 GDN : 1
+#   full attention, GDN 16 key / 32 value heads of 128, attention 16 / 2 heads of 256, 256
+#   routed experts (top-8) and a shared expert, each of intermediate size 512, vocabulary
+#   248,320, rope_theta 1e7 on a quarter of the head); max_position_embeddings is the
+#   release's 262,144 (the class default is 32,768).
+# - MiniMax-Text-01 (minimax): /work/shared/specs/algorithms.md section 4.3 (transformers'
+#   ``MiniMaxConfig`` defaults are Mixtral's sizes, not this model's): hidden 6144, 80 layers,
+#   7 lightning : 1 softmax, 64 heads of 128 (8 KV heads in the softmax layers, RoPE on 64
+#   dims, theta 1e7), 32 experts top-2 of 9216, vocabulary 200,064, DeepNorm alpha
+#   (2 * 80)^(1/4), beta 1.
+RELEASED = {
+    "Qwen/Qwen3.5-35B-A3B": {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "dtype": "bfloat16",
+        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "attn_output_gate": True,
+        "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8,
+        "num_experts": 256, "mamba_ssm_dtype": "float32",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}},
+    "MiniMaxAI/MiniMax-Text-01": {
+        "architectures": ["MiniMaxForCausalLM"], "model_type": "minimax", "torch_dtype": "bfloat16",
+        "vocab_size": 200064, "hidden_size": 6144, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "rope_theta": 10000000,
+        "intermediate_size": 9216, "num_local_experts": 32, "num_experts_per_tok": 2, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "block_size": 256, "max_position_embeddings": 10240000,
+        "tie_word_embeddings": False, "layer_types": (["linear_attention"] * 7 + ["full_attention"]) * 10,
+        **{f"{w}_alpha_factor": (2 * 80) ** 0.25 for w in ("linear_attn", "full_attn", "mlp")},
+        **{f"{w}_beta_factor": 1.0 for w in ("linear_attn", "full_attn", "mlp")}},
+}
 # the interpreter's time grows with the layers (the sparse kernels run a program per prompt
 # token): the smoke run keeps one layer where one shows the mechanism
 ONE_LAYER = {"num_hidden_layers": 1}
@@ -141,13 +220,42 @@ CASES = {c.name: c for c in (
     # run (1 dense + 1 MoE layer) gives its second layer none, so the "shared" path runs too
     Case("glm5", "zai-org/GLM-5", "DSA", "TRITON_MLA_SPARSE", DEEPSEEK_CUT, cut_experts=True, long=True,
          smoke_overrides={"indexer_types": ["full", "shared"]}),
+    # hybrids: 3 state layers + 1 attention layer (Jamba: its period of 8, 7 + 1), every routed
+    # expert kept; the smoke run keeps one state and one attention layer
+    Case("qwen3_next", "Qwen/Qwen3-Next-80B-A3B-Instruct", "GDN+GQA", overrides={"num_hidden_layers": 4},
+         state="GDN", smoke_overrides={"layer_types": TWO_HYBRID}),
+    Case("qwen35", "Qwen/Qwen3.5-27B", "GDN+GQA", overrides={"num_hidden_layers": 4, "layer_types": FOUR_HYBRID},
+         state="GDN", smoke_overrides={"layer_types": TWO_HYBRID}),
+    Case("qwen35_moe", "Qwen/Qwen3.5-35B-A3B", "GDN+GQA",
+         overrides={"num_hidden_layers": 4, "layer_types": FOUR_HYBRID}, state="GDN",
+         smoke_overrides={"layer_types": TWO_HYBRID}),
+    Case("kimi_linear", "moonshotai/Kimi-Linear-48B-A3B-Instruct", "KDA+MLA",
+         overrides={"num_hidden_layers": 4, "linear_attn_config": KIMI_LINEAR_CUT}, state="KDA",
+         smoke_overrides={"linear_attn_config": {**KIMI_LINEAR_CUT, "full_attn_layers": [2], "kda_layers": [1],
+                                                 "num_heads": 4, "head_dim": 16},
+                          "num_experts_per_token": 2, "first_k_dense_replace": 0}),
+    # attention at layer 4 of 8, MoE at the odd layers (attn_layer_period/offset, expert_layer_*)
+    Case("jamba", "ai21labs/AI21-Jamba-1.5-Mini", "Mamba+GQA", overrides={"num_hidden_layers": 8}, state="MAMBA",
+         smoke_overrides={"attn_layer_period": 2, "attn_layer_offset": 1}),
+    Case("minimax", "MiniMaxAI/MiniMax-Text-01", "lightning+GQA",
+         overrides={"num_hidden_layers": 4, "layer_types": FOUR_HYBRID}, state="LIGHTNING",
+         smoke_overrides={"layer_types": TWO_HYBRID, "rotary_dim": 8, "block_size": 16}),
 )}
+HYBRIDS = [name for name, c in CASES.items() if c.state]
+# the hybrids the smoke run (and CI) builds, one per state mechanism (Qwen3.5's two have
+# Qwen3-Next's layers; tests/unit/test_step_floors.py reads their cut configs); each adds about
+# 4 s at one context; ``--smoke --cases hybrids`` builds all six
+SMOKE_HYBRIDS = ["qwen3_next", "kimi_linear", "jamba", "minimax"]
 # toy sizes: each key replaces the config's where the config has it (num_hidden_layers always)
 SMOKE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
          "num_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 128, "q_lora_rank": 64,
          "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "qk_head_dim": 32, "v_head_dim": 16,
-         "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
+         "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16,
+         # the hybrids' state layers and experts
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+         "linear_value_head_dim": 16, "shared_expert_intermediate_size": 32, "num_local_experts": 8,
+         "mamba_dt_rank": 8, "mamba_d_state": 8}
 SMOKE_EXPERTS = 4
 
 
@@ -180,19 +288,29 @@ def routed_cut(cfg: dict, experts: int) -> dict:
     return {"n_routed_experts": experts, "n_group": groups, "topk_group": topk_group}
 
 
+def load_config(case: Case) -> dict:
+    """The case's released config: a file ``resolve_config_path`` finds, or RELEASED's copy."""
+    if case.config in RELEASED:
+        return copy.deepcopy(RELEASED[case.config])
+    return json.loads(Path(resolve_config_path(case.config)).read_text())
+
+
 def model_dir(case: Case, experts: int, smoke: bool) -> tuple[str, dict]:
-    """A temporary directory holding the case's cut config, and the fields that were changed."""
+    """A temporary directory holding the case's cut config, and the fields that were changed
+    (in the text config of a multimodal wrapper such as Qwen3.5's)."""
     d = tempfile.mkdtemp(prefix="attnserve_mech_")
-    cfg = json.loads(Path(resolve_config_path(case.config)).read_text())
+    cfg = load_config(case)
+    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     changed = dict(case.overrides)
-    if smoke:
-        changed.update({k: v for k, v in SMOKE.items() if k in cfg or k == "num_hidden_layers"})
+    if smoke:  # toy sizes for the fields the config sets (a null, e.g. Kimi's q_lora_rank, stays)
+        changed.update({k: v for k, v in SMOKE.items() if text.get(k) is not None or k == "num_hidden_layers"})
         changed.update(case.smoke_overrides)
         cfg.pop("quantization_config", None)
-    cfg.update(changed)
+        text.pop("quantization_config", None)
+    text.update(changed)
     if case.cut_experts:
-        changed.update(routed_cut(cfg, experts))
-        cfg.update(changed)
+        changed.update(routed_cut(text, experts))
+        text.update(changed)
     (Path(d) / "config.json").write_text(json.dumps(cfg))
     return d, changed
 
@@ -224,15 +342,18 @@ def meta_weight_bytes(arch: ModelArch, dtype: str) -> int:
     return param_bytes(model.parameters())
 
 
-def kv_precheck(path: str, kwargs: dict, batches: list[int]) -> tuple[list[int], dict[int, str]]:
+def kv_precheck(path: str, kwargs: dict, batches: list[int], room: int = 1) -> tuple[list[int], dict[int, str]]:
     """Before building: the batches whose KV cache fits in the memory left (device: its
     utilisation share less what is in use less the weights; CPU: ``kv_cache_memory``), and a
-    reason for each that does not. The profiling pass's activations are not known yet: the
-    engine's real block count is checked after building."""
+    reason for each that does not. A hybrid's state slots count too: for batch b the engine
+    gets ``room * b`` sequences, so 1 + 2 * room * b slots (running and snapshots). The
+    profiling pass's activations are not known yet: the engine's real block count is checked
+    after building."""
     config = EngineConfig.from_kwargs(path, **kwargs)
     arch = read_arch(load_hf_config(path))
     plan = plan_engine(arch, config, current_platform())
-    per_seq = plan.sequence_bytes(plan.max_model_len)
+    state = plan.state_bytes_per_sequence
+    per_seq = plan.sequence_bytes(plan.max_model_len) - state + 2 * room * state
     if config.cache.kv_cache_memory is not None:
         budget, what = config.cache.kv_cache_memory * GIB, "kv_cache_memory"
     elif torch.cuda.is_available():
@@ -246,8 +367,8 @@ def kv_precheck(path: str, kwargs: dict, batches: list[int]) -> tuple[list[int],
                 f"in use and {weights / GIB:.1f} of weights")
     else:
         return list(batches), {}
-    fit = [b for b in batches if b * per_seq <= budget]
-    reasons = {b: f"KV cache of {b} x {plan.max_model_len} tokens needs {b * per_seq / GIB:.2f} GiB; "
+    fit = [b for b in batches if b * per_seq + state <= budget]
+    reasons = {b: f"KV cache of {b} x {plan.max_model_len} tokens needs {(b * per_seq + state) / GIB:.2f} GiB; "
                   f"{max(budget, 0) / GIB:.2f} GiB left ({what})" for b in batches if b not in fit}
     return fit, reasons
 
@@ -266,11 +387,28 @@ def kv_postcheck(llm: LLM, batches: list[int]) -> tuple[list[int], dict[int, str
 # --- running ------------------------------------------------------------------------------
 
 
-def engine_kwargs(args, case: Case, context: int, max_batch: int) -> dict:
+def snapshot_room(case: Case, context: int, args) -> int:
+    """Sequences the engine is sized for, per sequence of a batch: 1, or for a hybrid enough
+    that its state snapshots outlive the grid. The engine keeps ``max_num_seqs`` snapshot slots
+    (least recently used evicted) and takes one wherever a step leaves a request on a block
+    boundary: at each prefill chunk's end (about ceil(context / max_num_batched_tokens) + 2 a
+    prompt, the last boundary and the end included) and every block_size decoded tokens (a
+    decode cell's run decodes N - 4). Sized as the batch, the snapshots of the prefill cell
+    were evicted before the decode cells came back to them, which then prefilled their prompts
+    again (64 x 32K tokens at batch 64, in every repeat). The running slots this adds cost state
+    memory only (Qwen3-Next's cut: 6 MiB a slot)."""
+    if not case.state:
+        return 1
+    block = args.block_size or 16
+    return math.ceil(context / args.max_num_batched_tokens) + 3 + math.ceil(args.new / block)
+
+
+def engine_kwargs(args, case: Case, context: int, max_batch: int, state_backend: str = "triton") -> dict:
     """``LLM(...)`` keywords of one (case, context) engine."""
     kwargs = dict(load_format="dummy", dtype="float32" if args.smoke else "bfloat16",
-                  attention_backend=case.backend, max_model_len=context + args.new + 16,
-                  max_num_seqs=max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                  attention_backend=case.backend_name(state_backend), max_model_len=context + args.new + 16,
+                  max_num_seqs=max_batch * snapshot_room(case, context, args),
+                  max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
     if args.smoke:
         kwargs["kv_cache_memory"] = 0.05
@@ -298,14 +436,26 @@ def timed(llm: LLM, prompts: list, tokens: int) -> float:
 
 
 class Recorder:
-    """Collects cells and prints each as a JSON line when it completes."""
+    """Collects cells and prints each as a JSON line when it completes; rewrites ``json_path``
+    (when given) after every cell, so a command stopped by its time limit leaves what it
+    measured. ``budget_s``: cells not started by then are recorded as skipped."""
 
-    def __init__(self):
+    def __init__(self, json_path: Path | None = None, header: dict | None = None, budget_s: float | None = None):
         self.cells: list[dict] = []
+        self.json_path, self.header, self.budget_s = json_path, header or {}, budget_s
+        self.started = time.perf_counter()
 
     def emit(self, cell: dict) -> None:
         self.cells.append(cell)
         print(json.dumps(cell), flush=True)
+        if self.json_path is not None:
+            self.json_path.write_text(json.dumps({**self.header, "partial": True, "cells": self.cells}, indent=2))
+
+    def out_of_time(self) -> bool:
+        return self.budget_s is not None and time.perf_counter() - self.started > self.budget_s
+
+    def budget_reason(self) -> str:
+        return f"not started: the run's time budget (--budget-s {self.budget_s:g}) was spent"
 
     def not_run(self, base: dict, batches: list[int], status: str, reasons: dict[int, str] | str,
                 prefill: bool = False) -> None:
@@ -334,10 +484,11 @@ def measure_prefill(llm: LLM, prompts: list, context: int, warm_up: bool, base: 
             "attention_flops_per_token": attention_flops_per_token(engine.arch, context)}
 
 
-def decode_steps_ms(llm: LLM, prompts: list, steps: int, warm: int = 4) -> float:
+def decode_steps_ms(llm: LLM, prompts: list, steps: int, warm: int = 4) -> tuple[float, float]:
     """Mean ms of ``steps`` decode-only engine steps of ``prompts``, timed once every request
     has its first token (so no prefill, not even the recomputed last block of a prefix hit,
-    falls in the timed span), after ``warm`` more steps; the requests are then aborted.
+    falls in the timed span), after ``warm`` more steps; the requests are then aborted. Also
+    the share of the prompts' tokens the prefix cache served.
 
     (Timing ``generate`` with N tokens and with 1 and subtracting leaves the prefill's
     variance in the difference: 64 prefix hits of 8K-32K tokens vary by 0.1-0.3 s, which is
@@ -352,6 +503,7 @@ def decode_steps_ms(llm: LLM, prompts: list, steps: int, warm: int = 4) -> float
         engine.step()
     else:
         raise RuntimeError("the prompts never finished their prefill")
+    cached = sum(max(r.num_cached_tokens, 0) for r in requests) / sum(r.num_prompt_tokens for r in requests)
     for _ in range(warm):
         engine.step()
     if torch.cuda.is_available():
@@ -367,16 +519,18 @@ def decode_steps_ms(llm: LLM, prompts: list, steps: int, warm: int = 4) -> float
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return 1e3 * seconds / steps
+    return 1e3 * seconds / steps, cached
 
 
-def measure_decode(llm: LLM, prompts: list, batch: int, context: int, args, rows: dict, base: dict) -> dict:
+def measure_decode(llm: LLM, prompts: list, batch: int, context: int, args, rows: dict, base: dict,
+                   states: dict | None = None) -> dict:
     """Decode ms per step of the first ``batch`` prompts (prefix hits) and its HBM floor."""
     engine = llm.llm_engine
     steps = max(1, args.new - 16)
-    ms = statistics.median(decode_steps_ms(llm, prompts[:batch], steps) for _ in range(args.repeats))
+    runs = [decode_steps_ms(llm, prompts[:batch], steps) for _ in range(args.repeats)]
+    ms = statistics.median(r[0] for r in runs)
     weights = decode_weight_bytes(engine.runner.model, engine.arch, batch)
-    cache = decode_cache_bytes(engine.arch, rows, batch, context)
+    cache = decode_cache_bytes(engine.arch, rows, batch, context, states)
     floor_ms = 1e3 * (weights + cache) / BANDWIDTH
     flops = decode_flops(engine.runner.model, engine.arch, batch, context)
     flop_ms = 1e3 * flops / PEAK_FLOPS
@@ -384,6 +538,7 @@ def measure_decode(llm: LLM, prompts: list, batch: int, context: int, args, rows
     return {**base, "cell": "decode", "batch": batch, "status": "ok", "decode_ms": ms, "floor_ms": floor_ms,
             "floor_fraction": floor_ms / ms if ms > 0 else None, "flop_floor_ms": flop_ms, "decode_flops": flops,
             "bound_fraction": bound / ms if ms > 0 else None, "weight_bytes": weights, "cache_bytes": cache,
+            "state_bytes": decode_state_bytes(states or {}, batch), "prefix_hit_fraction": min(r[1] for r in runs),
             "timed_steps": steps, "graphs": engine.runner.graphs is not None,
             "async_scheduling": engine.async_scheduling}
 
@@ -394,17 +549,24 @@ def measure_engine(llm: LLM, context: int, batches: list[int], args, rec: Record
     engine = llm.llm_engine
     base.update(mechanism_arch=engine.arch.mechanism.value, kv_cache_dtype=engine.parts.plan.kv_cache_dtype,
                 block_size=engine.config.cache.block_size)
+    if base.get("state_backend"):  # what every layer group ran: the state backend first
+        base["backend"] = " + ".join(dict.fromkeys([base["backend"], *engine.parts.backend_names]))
     todo, reasons = kv_postcheck(llm, batches)
     rec.not_run(base, [b for b in batches if b not in todo], "skipped", reasons)
     if not todo:
         return
-    rows = cache_rows(engine.runner.model)
-    check_rows(rows, engine.parts.plan)
+    rows, states = cache_rows(engine.runner.model), state_rows(engine.runner.model)
+    check_rows(rows, engine.parts.plan, states)
     base["cache_row_bytes"] = rows[min(rows)]
+    if states:
+        base["state_slot_bytes"] = states[min(states)]
     prompts = random_prompts(engine.arch.vocab_size, max(todo), context, seed=context)
     rec.emit(measure_prefill(llm, prompts, context, not args.smoke, base))  # nothing compiles in smoke
     for b in todo:
-        rec.emit(measure_decode(llm, prompts, b, context, args, rows, base))
+        if rec.out_of_time():
+            rec.not_run(base, [b], "skipped", rec.budget_reason())
+            continue
+        rec.emit(measure_decode(llm, prompts, b, context, args, rows, base, states))
 
 
 def not_fitting(error: Exception) -> bool:
@@ -415,19 +577,28 @@ def not_fitting(error: Exception) -> bool:
     return isinstance(error, ValueError) and "KV cache" in str(error)
 
 
-def run_context(case: Case, path: str, context: int, batches: list[int], args, rec: Recorder) -> None:
+def run_context(case: Case, path: str, context: int, batches: list[int], args, rec: Recorder,
+                state_backend: str = "triton") -> None:
     """One engine for ``case`` at ``context``: the prefill cell and a decode cell per batch."""
-    base = {"case": case.name, "mechanism": case.mechanism, "backend": case.backend, "context": context}
-    kwargs = engine_kwargs(args, case, context, max(batches))
+    base = {"case": case.name, "mechanism": case.mechanism, "backend": case.backend_name(state_backend),
+            "context": context}
+    if case.state:
+        base["state_backend"] = case.backend_name(state_backend)
+    if rec.out_of_time():
+        rec.not_run(base, batches, "skipped", rec.budget_reason(), prefill=True)
+        return
+    kwargs = engine_kwargs(args, case, context, max(batches), state_backend)
+    room = snapshot_room(case, context, args)
     try:
-        fit, reasons = kv_precheck(path, kwargs, batches)
+        fit, reasons = kv_precheck(path, kwargs, batches, room)
     except ValueError as e:  # a plan the engine would refuse (e.g. fp8 rows this rank cannot tile)
         rec.not_run(base, batches, "skipped", f"{type(e).__name__}: {e}", prefill=True)
         return
     rec.not_run(base, [b for b in batches if b not in fit], "skipped", reasons)
     if not fit:
         return
-    kwargs["max_num_seqs"] = max(fit)
+    kwargs["max_num_seqs"] = max(fit) * room
+    started = time.perf_counter()
     try:
         llm = LLM(path, **kwargs)
     except Exception as e:
@@ -436,11 +607,13 @@ def run_context(case: Case, path: str, context: int, batches: list[int], args, r
             traceback.print_exc()
         rec.not_run(base, fit, "skipped" if unfit else "failed", f"{type(e).__name__}: {e}", prefill=True)
         return
+    base["build_s"] = round(time.perf_counter() - started, 1)
     try:
         measure_engine(llm, context, fit, args, rec, base)
     except Exception as e:  # the engine may be left mid-request: the rest of this context is not run
         traceback.print_exc()
-        done = {(c["cell"], c["batch"]) for c in rec.cells if (c["case"], c["context"]) == (case.name, context)}
+        done = {(c["cell"], c["batch"]) for c in rec.cells
+                if (c["case"], c["context"], c.get("state_backend")) == (case.name, context, base.get("state_backend"))}
         rec.not_run(base, [b for b in fit if ("decode", b) not in done], "failed", f"{type(e).__name__}: {e}",
                     prefill=not any(kind == "prefill" for kind, _ in done))
     finally:  # nothing else holds the engine: its memory goes back before the next one is sized
@@ -554,15 +727,22 @@ def smoke_checks(cells: list[dict], block: str, out: str | None) -> None:
 
 
 # option defaults on the device and in the smoke run (an option given on the command line wins)
-DEFAULTS = {"batches": "1,8,64", "contexts": "1K,8K,32K,64K,128K", "dsa_long_batches": "1,32", "experts": 16,
-            "new": 64, "repeats": 3, "block_size": None}
-SMOKE_DEFAULTS = {"batches": "1,2", "contexts": "32,64", "dsa_long_batches": "1", "experts": SMOKE_EXPERTS,
+DEFAULTS = {"cases": ",".join(CASES), "batches": "1,8,64", "contexts": "1K,8K,32K,64K,128K",
+            "dsa_long_batches": "1,32", "experts": 16, "new": 64, "repeats": 3, "block_size": None}
+SMOKE_DEFAULTS = {"cases": ",".join([*(n for n in CASES if n not in HYBRIDS), *SMOKE_HYBRIDS]), "batches": "1,2",
+                  "contexts": "32,64", "dsa_long_batches": "1", "experts": SMOKE_EXPERTS,
                   "new": 3, "repeats": 1, "block_size": 8}  # blocks of 8: a prefix hit recomputes less
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    ap.add_argument("--cases", help=f"comma list of {', '.join(CASES)} (default all; --smoke: the attention "
+                                    f"cases and {', '.join(SMOKE_HYBRIDS)}); 'hybrids' names {', '.join(HYBRIDS)}")
+    ap.add_argument("--state-backend", default="triton",
+                    help="the hybrids' state backends, TORCH_<kind> or TRITON_<kind>: torch, triton, or "
+                         "torch,triton for both in one run (their attention layers take the platform's first)")
+    ap.add_argument("--budget-s", type=float,
+                    help="seconds after which no new engine or decode cell starts (recorded as skipped)")
     ap.add_argument("--batches", help=f"comma list (default {DEFAULTS['batches']})")
     ap.add_argument("--contexts", help=f"comma list, K = 1024 (default {DEFAULTS['contexts']}; above "
                                        f"{LONG_CONTEXT // 1024}K: DSA cases only)")
@@ -583,9 +763,14 @@ def parse_args() -> argparse.Namespace:
     for key, value in (SMOKE_DEFAULTS if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    unknown = set(args.cases.split(",")) - set(CASES)
+    names = [n for item in args.cases.split(",") for n in (HYBRIDS if item == "hybrids" else [item]) if n]
+    unknown = set(names) - set(CASES)
     if unknown:
         ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
+    args.cases = ",".join(dict.fromkeys(names))
+    args.state_backends = list(dict.fromkeys(b.strip().lower() for b in args.state_backend.split(",") if b.strip()))
+    if not args.state_backends or set(args.state_backends) - {"torch", "triton"}:
+        ap.error(f"--state-backend takes torch, triton or torch,triton, got {args.state_backend!r}")
     if args.new < 1:
         ap.error("--new must be at least 1 (N - 16 decode steps are timed, at least one)")
     return args
@@ -595,30 +780,40 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Every (case, context) engine of the grid; (cells, environment)."""
     batches, contexts = parse_sizes(args.batches), parse_sizes(args.contexts)
     long_batches = parse_sizes(args.dsa_long_batches)
-    rec = Recorder()
+    out = os.environ.get("OUT")
+    json_path = None
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        json_path = Path(out, JSON_NAME)
+    env = environment()  # a partial file reads back through --render as a whole one does
+    env["weights"] = "dummy float32" if args.smoke else "dummy bf16"
+    rec = Recorder(json_path, {"environment": env, "options": {k: v for k, v in vars(args).items() if k != "docs"}},
+                   args.budget_s)
     started = time.perf_counter()
-    cases = {}
+    env["cases"] = cases = {}
     for name in args.cases.split(","):
         case = CASES[name]
         path, changed = model_dir(case, args.experts, args.smoke)
-        cases[name] = {"config": case.config, "backend": case.backend, "mechanism": case.mechanism,
-                       "overrides": changed}
+        cases[name] = {"config": case.config, "backend": case.backend or [case.backend_name(b)
+                                                                         for b in args.state_backends],
+                       "mechanism": case.mechanism, "overrides": changed}
         try:
-            for context, bs in grid(case, batches, contexts, long_batches):
-                run_context(case, path, context, bs, args, rec)
+            # the smoke run's hybrids take its first context only (the test's time)
+            case_contexts = contexts[:1] if args.smoke and case.state else contexts
+            for state_backend in args.state_backends if case.state else ["triton"]:
+                for context, bs in grid(case, batches, case_contexts, long_batches):
+                    run_context(case, path, context, bs, args, rec, state_backend)
         finally:
             shutil.rmtree(path, ignore_errors=True)
-    env = environment()
     env["seconds"] = time.perf_counter() - started
-    env["weights"] = "dummy float32" if args.smoke else "dummy bf16"
-    env["cases"] = cases
     return rec.cells, env
 
 
 def cell_key(cell: dict) -> tuple:
-    """Cells of other block sizes or cache dtypes are other measurements, not replacements."""
+    """Cells of other block sizes, cache dtypes or state backends are other measurements, not
+    replacements."""
     return (cell["cell"], cell["case"], cell["context"], cell["batch"], cell.get("block_size"),
-            cell.get("kv_cache_dtype"))
+            cell.get("kv_cache_dtype"), cell.get("state_backend"))
 
 
 def backend_label(cell: dict) -> str:
@@ -630,10 +825,11 @@ def backend_label(cell: dict) -> str:
 
 
 def in_grid_order(cells) -> list[dict]:
-    """Cells by case (in CASES order), context, prefill first, batch."""
+    """Cells by case (in CASES order), state backend, context, prefill first, batch."""
     order = list(CASES)
     return sorted(cells, key=lambda c: (order.index(c["case"]) if c["case"] in order else len(order),
-                                        c["context"], c["cell"] != "prefill", c["batch"]))
+                                        c.get("state_backend") or "", c["context"], c["cell"] != "prefill",
+                                        c["batch"]))
 
 
 def load_results(paths: list[str]) -> tuple[list[dict], dict]:

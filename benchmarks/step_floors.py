@@ -13,7 +13,16 @@ Decode floor, the bytes one step must read at 4.25 TB/s (measured copy bandwidth
   bf16, 656 B in fp8) a token; DSA the indexer key of every token (128 * 2 B in bf16, 132 in
   fp8; none in a GLM-5 "shared" layer, which reuses the previous layer's top-k) plus
   min(context, index_topk) latent rows. At context <= index_topk the engine selects every key
-  without scoring (``ops/triton_mla_sparse.py``), so no indexer key counts there.
+  without scoring (``ops/triton_mla_sparse.py``), so no indexer key counts there;
+- state, per state layer and sequence, read once and written once (so twice its bytes), with
+  the sizes read from the engine's slot tensors (``state_rows``: the recurrent state in
+  ``mamba_ssm_cache_dtype``, float32 by default; the conv state in the KV cache dtype, the
+  model's under ``auto``): the recurrent state (Gated DeltaNet Hv * dk * dv, KDA H * dk * dv,
+  lightning H * dk * dv, Mamba d_inner * d_state) and the conv state (channels * (K - 1): GDN
+  2 * Hk * dk + Hv * dv channels, KDA three convs of H * dk, Mamba d_inner; lightning none).
+  Qwen3-Next: 32 * 128 * 128 * 4 B = 2 MiB + 8,192 * 3 * 2 B = 48 KiB, x 2 a GDN layer and
+  sequence. The state does not grow with the context; the hybrids' attention layers add their
+  paged rows as above.
 
 Prefill FLOPs of b prompts of C tokens: b * (C * (2 * P + A) + 2 * H), with
 
@@ -27,7 +36,13 @@ Prefill FLOPs of b prompts of C tokens: b * (C * (2 * P + A) + 2 * H), with
   MLA as the engine prefills it, expanded: 2 * heads * (qk_nope + rope + v_head_dim) * m(C);
   DSA absorbed sparse attention 2 * heads * ((kv_lora_rank + rope) + kv_lora_rank) *
   m(C, index_topk), plus in each layer with an indexer 2 * index_n_heads * index_head_dim *
-  m(C) (0 when C <= index_topk: nothing is scored then).
+  m(C) (0 when C <= index_topk: nothing is scored then);
+  state layers, as the engine's chunked forms compute them, with R the recurrent state's
+  elements and c the chunk: Gated DeltaNet and KDA (c = 64) H * (6 * dk * dv + 4 * c * (dk +
+  dv)) (three products against the state: k S, q S and the update; the chunk's Q K^T, K K^T
+  and the products by them); lightning (c = its block_size, 256) H * (4 * dk * dv + 2 * c *
+  (dk + dv)); Mamba 7 * R (the recurrence below; the engine's log-step scan does more); plus
+  the short convs, 2 * channels * K.
 
 Achieved TFLOP/s is against the measured 790 TFLOP/s bf16 matrix product.
 
@@ -36,14 +51,18 @@ weights plus the attention of each token over its keys in the form the backends 
 2 * heads * (d_qk + d_v) a key; MLA absorbed, 2 * heads * (2 * kv_lora_rank + rope) a key, so 128
 heads do 278 KFLOP per 1,152-byte row: 242 FLOP/B, above the H200's 186, and dense MLA decode at
 128 heads is compute-bound before it is bandwidth-bound; DSA the same over min(context, topk)
-keys, plus the indexer's 2 * n_heads * head_dim per scored key).
+keys, plus the indexer's 2 * n_heads * head_dim per scored key; a state layer its recurrent
+step, per state element: Gated DeltaNet and KDA 7 (decay, S^T k, the rank-1 update, S^T q),
+lightning 5 (decay, the k v^T update, q S), Mamba 7 (exp(dt * A), the update, B * dt * x, C . h),
+plus the convs' 2 * channels * K).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from attnserve.arch import LayerKind, ModelArch
+from attnserve.arch import LayerKind, LayerSpec, ModelArch
+from attnserve.kvcache.spec import CachePolicy
 from attnserve.layers.moe import FusedExperts
 
 __all__ = [
@@ -54,17 +73,23 @@ __all__ = [
     "check_rows",
     "decode_cache_bytes",
     "decode_flops",
+    "decode_state_bytes",
     "decode_weight_bytes",
     "expected_experts",
     "mean_keys",
     "param_bytes",
     "prefill_flops",
     "prefill_params",
+    "state_flops_per_token",
+    "state_rows",
 ]
 
 BANDWIDTH = 4.25e12  # B/s, measured device copy bandwidth (docs/performance.md)
 PEAK_FLOPS = 790e12  # FLOP/s, measured bf16 matrix product
-
+# chunk of the chunked delta-rule prefill forms (``attention/state/steps.py``: GDN and KDA)
+DELTA_CHUNK = 64
+# FLOPs per recurrent-state element of one decode token (the module docstring)
+STATE_DECODE_FLOPS = {LayerKind.GDN: 7, LayerKind.KDA: 7, LayerKind.LIGHTNING: 5, LayerKind.MAMBA: 7}
 
 
 def param_bytes(params) -> int:
@@ -130,7 +155,8 @@ def mean_keys(context: int, cap: int | None = None) -> float:
 
 
 def attention_flops_per_token(arch: ModelArch, context: int) -> float:
-    """Attention FLOPs of one prompt token of a ``context``-token prompt, over every layer."""
+    """Attention (and state-mixer) FLOPs of one prompt token of a ``context``-token prompt, over
+    every layer."""
     total = 0.0
     for s in arch.layers:
         if s.kind in (LayerKind.FULL, LayerKind.SLIDING):
@@ -142,9 +168,36 @@ def attention_flops_per_token(arch: ModelArch, context: int) -> float:
             total += 2 * s.num_heads * (s.mla.latent_dim + s.mla.kv_lora_rank) * mean_keys(context, idx.topk)
             if idx.has_cache and context > idx.topk:  # at most topk keys visible: nothing is scored
                 total += 2 * idx.n_heads * idx.head_dim * mean_keys(context)
+        elif s.kind.is_state:
+            total += state_flops_per_token(s, decode=False)
         else:
             raise ValueError(f"layer {s.index}: no FLOP count for {s.kind.value} layers")
     return total
+
+
+def _conv_flops(spec: LayerSpec) -> float:
+    """2 * channels * K per token over the layer's short convs (state shapes [channels, K - 1])."""
+    return sum(2 * c * (k1 + 1) for c, k1 in spec.state.conv)
+
+
+def state_flops_per_token(spec: LayerSpec, decode: bool) -> float:
+    """FLOPs of one token through a state layer's mixer (convs and recurrence, not its
+    projections, which the parameter count has): the recurrent step for a decode token, the
+    engine's chunked form for a prompt token (the module docstring)."""
+    if spec.state is None or not spec.state.recurrent:
+        raise ValueError(f"layer {spec.index}: a {spec.kind.value} layer without a recurrent state shape")
+    rec = spec.state.recurrent[0]
+    elements = spec.state.recurrent_numel
+    conv = _conv_flops(spec)
+    if spec.kind not in STATE_DECODE_FLOPS:
+        raise ValueError(f"layer {spec.index}: no FLOP count for {spec.kind.value} layers")
+    if decode or spec.kind is LayerKind.MAMBA:
+        return STATE_DECODE_FLOPS[spec.kind] * elements + conv
+    heads, dk, dv = rec
+    if spec.kind is LayerKind.LIGHTNING:
+        block = spec.mixer.block_size
+        return heads * (4 * dk * dv + 2 * block * (dk + dv)) + conv
+    return heads * (6 * dk * dv + 4 * DELTA_CHUNK * (dk + dv)) + conv  # GDN, KDA
 
 
 def decode_attention_flops(arch: ModelArch, context: int) -> float:
@@ -152,7 +205,7 @@ def decode_attention_flops(arch: ModelArch, context: int) -> float:
     the backends decode: GQA 2 * heads * (d_qk + d_v) per key; MLA absorbed (one latent KV head,
     ``kv_lora_rank + rope`` wide keys, ``kv_lora_rank`` wide values) 2 * heads * (L + R + L) per
     key; DSA the same over min(context, topk) keys plus the indexer's 2 * n_heads * head_dim per
-    context key where it scores."""
+    context key where it scores; a state layer its recurrent step (``state_flops_per_token``)."""
     total = 0.0
     for s in arch.layers:
         if s.kind in (LayerKind.FULL, LayerKind.SLIDING):
@@ -164,6 +217,8 @@ def decode_attention_flops(arch: ModelArch, context: int) -> float:
             total += 2 * s.num_heads * (s.mla.latent_dim + s.mla.kv_lora_rank) * min(context, idx.topk)
             if idx.has_cache and context > idx.topk:
                 total += 2 * idx.n_heads * idx.head_dim * context
+        elif s.kind.is_state:
+            total += state_flops_per_token(s, decode=True)
         else:
             raise ValueError(f"layer {s.index}: no FLOP count for {s.kind.value} layers")
     return total
@@ -201,18 +256,46 @@ def cache_rows(model: nn.Module) -> dict[int, dict[str, int]]:
     return rows
 
 
-def check_rows(rows: dict[int, dict[str, int]], plan) -> None:
-    """The rows read from the tensors must be the plan's bytes per token (a changed layout
-    would make the floor count something else)."""
+def state_rows(model: nn.Module) -> dict[int, dict[str, int]]:
+    """Per state layer, the bytes of one sequence's slot in its ``conv`` and ``recurrent`` state
+    tensors ([slots, ...] each), read from the ``StateCache`` the engine bound (``state_cache``)."""
+    rows: dict[int, dict[str, int]] = {}
+    for m in model.modules():
+        layer, cache = getattr(m, "layer_id", None), getattr(m, "state_cache", None)
+        if layer is None or cache is None:
+            continue
+        rows[layer] = {"conv": sum(t[0].numel() * t.element_size() for t in cache.conv),
+                       "recurrent": sum(t[0].numel() * t.element_size() for t in cache.recurrent)}
+    return rows
+
+
+def check_rows(rows: dict[int, dict[str, int]], plan, states: dict[int, dict[str, int]] | None = None) -> None:
+    """The rows read from the tensors must be the plan's bytes per token, and a state layer's
+    slot its bytes per sequence (a changed layout would make the floor count something else)."""
+    states = states or {}
     for e in plan.entries:
+        if e.spec.policy is CachePolicy.STATE:
+            got = sum(states.get(e.layer, {}).values()) if e.layer in states else None
+            if got != e.spec.bytes_per_sequence:
+                raise RuntimeError(f"layer {e.layer}: state slot of {got} bytes, the plan says "
+                                   f"{e.spec.bytes_per_sequence}")
+            continue
         got = rows.get(e.layer, {}).get(e.name)
         if got != e.spec.bytes_per_token:
             raise RuntimeError(f"layer {e.layer} {e.name}: cache row of {got} bytes, the plan says "
                                f"{e.spec.bytes_per_token}")
 
 
-def decode_cache_bytes(arch: ModelArch, rows: dict[int, dict[str, int]], batch: int, context: int) -> int:
-    """Cache bytes one decode step of ``batch`` sequences of ``context`` tokens reads."""
+def decode_state_bytes(states: dict[int, dict[str, int]], batch: int) -> int:
+    """State bytes one decode step of ``batch`` sequences moves: every state layer's conv and
+    recurrent slot read once and written once."""
+    return 2 * batch * sum(sum(r.values()) for r in states.values())
+
+
+def decode_cache_bytes(arch: ModelArch, rows: dict[int, dict[str, int]], batch: int, context: int,
+                       states: dict[int, dict[str, int]] | None = None) -> int:
+    """Cache bytes one decode step of ``batch`` sequences of ``context`` tokens reads (paged rows),
+    plus what it reads and writes of the state layers' slots (``states``, from ``state_rows``)."""
     total = 0
     for layer, r in rows.items():
         s = arch.layers[layer]
@@ -226,4 +309,4 @@ def decode_cache_bytes(arch: ModelArch, rows: dict[int, dict[str, int]], batch: 
                 total += r.get("indexer", 0) * context
         else:
             raise ValueError(f"layer {layer}: no cache count for {s.kind.value} layers")
-    return total * batch
+    return total * batch + decode_state_bytes(states or {}, batch)

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {
     "gpu_gdn": ["--smoke"],
     "gpu_graphs": ["--smoke"],
+    "gpu_hybrid_prefix": ["--smoke"],
     "gpu_mechanisms": ["--smoke"],
     "gpu_mla": ["--smoke"],
     "gpu_moe": ["--smoke"],
