@@ -109,8 +109,8 @@ def one_round(llm: LLM, length: int, tail: int, hits: int, seed: int) -> dict:
 
 
 def snapshot_slots(args) -> int:
-    """``max_num_seqs``, which is also the engine's count of state snapshot slots (least recently
-    used evicted). A round takes about 3 snapshots for P (its chunk ends, its last boundary, its
+    """The engine's state snapshot slots (``num_state_snapshots``; least recently used evicted).
+    A round takes about 3 snapshots for P (its chunk ends, its last boundary, its
     end) and up to 2 a hit (a tail that crosses a boundary is computed in two steps, each
     ending on a boundary): with 2 slots, a round's second hit found P's snapshot evicted by the
     first hit's and recomputed everything."""
@@ -126,7 +126,8 @@ def run_case(name: str, args) -> dict:
     path, changed = model_dir(case, args.experts, args.smoke)
     result["overrides"] = changed
     kwargs = dict(load_format="dummy", dtype="float32" if args.smoke else "bfloat16", attention_backend=backend,
-                  max_model_len=args.prompt + args.tail + 16, max_num_seqs=snapshot_slots(args), enforce_eager=True,
+                  max_model_len=args.prompt + args.tail + 16, max_num_seqs=1,
+                  num_state_snapshots=snapshot_slots(args), enforce_eager=True,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                   enable_prefix_caching=True)
     if args.smoke:

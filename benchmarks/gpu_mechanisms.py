@@ -35,8 +35,8 @@ largest batch, ``max_model_len`` context + new tokens + 16. Its largest batch of
 prompts (no two share a block) runs once with ``max_tokens=1`` after a short warm-up: that is
 the prefill cell, and it fills the prefix cache. Then for each batch b the first b prompts run
 again (prefix hits: only the last block is recomputed; a hybrid restores its state snapshot at
-that block, for which its engine gets ``snapshot_room`` times the sequences, so that the
-snapshots outlive the grid; ``prefix_hit_fraction`` in each decode cell says how much of the
+that block, for which its engine keeps ``snapshot_room`` snapshots per sequence
+(``num_state_snapshots``), so that the snapshots outlive the grid; ``prefix_hit_fraction`` in each decode cell says how much of the
 prompts the cache served) through the engine's ``step``: once
 every request has its first token and 4 more steps have run, N - 16 decode steps are timed
 (synchronised at both ends), the median of ``--repeats``: decode ms per step. (Subtracting a
@@ -346,14 +346,14 @@ def kv_precheck(path: str, kwargs: dict, batches: list[int], room: int = 1) -> t
     """Before building: the batches whose KV cache fits in the memory left (device: its
     utilisation share less what is in use less the weights; CPU: ``kv_cache_memory``), and a
     reason for each that does not. A hybrid's state slots count too: for batch b the engine
-    gets ``room * b`` sequences, so 1 + 2 * room * b slots (running and snapshots). The
+    keeps ``room * b`` snapshots, so 1 + b + room * b slots (running and snapshots). The
     profiling pass's activations are not known yet: the engine's real block count is checked
     after building."""
     config = EngineConfig.from_kwargs(path, **kwargs)
     arch = read_arch(load_hf_config(path))
     plan = plan_engine(arch, config, current_platform())
     state = plan.state_bytes_per_sequence
-    per_seq = plan.sequence_bytes(plan.max_model_len) - state + 2 * room * state
+    per_seq = plan.sequence_bytes(plan.max_model_len) + room * state
     if config.cache.kv_cache_memory is not None:
         budget, what = config.cache.kv_cache_memory * GIB, "kv_cache_memory"
     elif torch.cuda.is_available():
@@ -388,15 +388,14 @@ def kv_postcheck(llm: LLM, batches: list[int]) -> tuple[list[int], dict[int, str
 
 
 def snapshot_room(case: Case, context: int, args) -> int:
-    """Sequences the engine is sized for, per sequence of a batch: 1, or for a hybrid enough
-    that its state snapshots outlive the grid. The engine keeps ``max_num_seqs`` snapshot slots
-    (least recently used evicted) and takes one wherever a step leaves a request on a block
+    """State snapshots the engine keeps per sequence of a batch (``num_state_snapshots``), enough
+    that a hybrid's snapshots outlive the grid (least recently used are evicted). It takes one wherever a step leaves a request on a block
     boundary: at each prefill chunk's end (about ceil(context / max_num_batched_tokens) + 2 a
     prompt, the last boundary and the end included) and every block_size decoded tokens (a
     decode cell's run decodes N - 4). Sized as the batch, the snapshots of the prefill cell
     were evicted before the decode cells came back to them, which then prefilled their prompts
-    again (64 x 32K tokens at batch 64, in every repeat). The running slots this adds cost state
-    memory only (Qwen3-Next's cut: 6 MiB a slot)."""
+    again (64 x 32K tokens at batch 64, in every repeat). Each costs state memory only
+    (Qwen3-Next's cut: 6 MiB a slot)."""
     if not case.state:
         return 1
     block = args.block_size or 16
@@ -407,7 +406,7 @@ def engine_kwargs(args, case: Case, context: int, max_batch: int, state_backend:
     """``LLM(...)`` keywords of one (case, context) engine."""
     kwargs = dict(load_format="dummy", dtype="float32" if args.smoke else "bfloat16",
                   attention_backend=case.backend_name(state_backend), max_model_len=context + args.new + 16,
-                  max_num_seqs=max_batch * snapshot_room(case, context, args),
+                  max_num_seqs=max_batch,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
     if args.smoke:
@@ -597,7 +596,9 @@ def run_context(case: Case, path: str, context: int, batches: list[int], args, r
     rec.not_run(base, [b for b in batches if b not in fit], "skipped", reasons)
     if not fit:
         return
-    kwargs["max_num_seqs"] = max(fit) * room
+    kwargs["max_num_seqs"] = max(fit)
+    if case.state:
+        kwargs["num_state_snapshots"] = max(fit) * room
     started = time.perf_counter()
     try:
         llm = LLM(path, **kwargs)
