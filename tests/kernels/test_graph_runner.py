@@ -5,9 +5,13 @@
 an eager stand-in whose "replay" runs the captured forward again over the persistent buffers,
 with the metadata and host bounds fixed at capture, as a graph would: decode steps of a real
 engine (TRITON_ATTN; TRITON_MLA and DSA's TRITON_MLA_SPARSE, DeepSeek-V3.2 and GLM-5, with a
-float32 or an fp8 latent cache; under Triton's interpreter) replayed that way equal the eager engine, padded buckets included, and a backend that owns a persistent buffer is refreshed before each replay
-(without the refresh the outputs differ, so the check can fail). On the H200,
-``benchmarks/gpu_check.py`` compares real graphs with eager runs.
+float32 or an fp8 latent cache; the hybrid families qwen3_next, kimi_linear, jamba and minimax with
+TRITON_GDN, TRITON_KDA, TRITON_MAMBA and TORCH_LIGHTNING on their state layers; under Triton's
+interpreter) replayed that way equal the eager engine, padded buckets included (a hybrid's
+padded row advances the null state slot, and every real slot stays exact), and a backend that
+owns a persistent buffer is refreshed before each replay (without the refresh the outputs differ,
+so the check can fail). On the H200, ``benchmarks/gpu_check.py`` compares real graphs with eager
+runs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ pytest.importorskip("triton")
 from attnserve import LLM, SamplingParams  # noqa: E402
 from attnserve.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from attnserve.attention.metadata import CommonAttentionMetadata  # noqa: E402
+from attnserve.attention.state.base import StateBackend  # noqa: E402
 from attnserve.runner.cuda_graph import CudaGraphRunner  # noqa: E402
 from tests.models.parity import build_hf_model, make_prompts, run_engine  # noqa: E402
 
@@ -31,16 +36,22 @@ MAX_SEQS = 4  # buckets 1, 2, 4: three requests replay the bucket of 4 with a pa
 
 
 class EagerReplay(CudaGraphRunner):
-    """A graph runner whose "graphs" run the captured forward again (CPU has no CUDA graphs)."""
+    """A graph runner whose "graphs" run the captured forward again (CPU has no CUDA graphs).
+
+    A capture keeps the forward over the bucket's metadata, built at capture; each replay runs
+    it into the bucket's output tensor. Nothing runs before a bucket's first replay (no warm-up:
+    there is nothing to compile), so buckets no step uses cost nothing."""
 
     replays = 0
+    warmups = 0
 
     def _capture_graph(self, forward):
-        output = forward()
+        output = torch.empty(0)  # [bucket, D] float32 once replayed (the models here are float32)
 
         def replay() -> None:
             EagerReplay.replays += 1
-            output.copy_(forward())
+            out = forward()
+            output.resize_(out.shape).copy_(out)
 
         return replay, output
 
@@ -76,6 +87,18 @@ CASES = {  # name -> (model type, config, backend, engine options)
     "glm5_fp8": ("glm_moe_dsa", {"kv_lora_rank": 128, "num_hidden_layers": 2, "indexer_types": ["full", "shared"]},
                  "TRITON_MLA_SPARSE", {"kv_cache_dtype": "fp8"}),
 }
+# hybrid families: test_parity_hybrid's tiny models cut to a state layer and an attention layer
+# (MoE), with fewer heads; name -> (attention layers' backend, state layers' backend, config)
+_TWO_LAYERS = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                   num_attention_heads=2, num_key_value_heads=1)
+HYBRID_CASES = {
+    "qwen3_next": ("TRITON_ATTN", "TRITON_GDN", dict(_TWO_LAYERS, linear_num_key_heads=1,
+                                                     linear_num_value_heads=2)),  # Hk 1 < Hv 2
+    "kimi_linear": ("TRITON_MLA", "TRITON_KDA", dict(_TWO_LAYERS, linear_num_heads=2)),  # 3 convs, per-channel decay
+    "jamba": ("TRITON_ATTN", "TRITON_MAMBA", dict(num_hidden_layers=2, num_attention_heads=2,
+                                                 num_key_value_heads=1)),  # mamba, then attention; conv bias
+    "minimax": ("TRITON_ATTN", "TORCH_LIGHTNING", _TWO_LAYERS),  # a PyTorch decode form, no conv
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +109,12 @@ def model_dir(tmp_path_factory):
 
 
 def _build(case: str, path) -> None:
+    if case in HYBRID_CASES:
+        from tests.models.test_parity_hybrid import HYBRID
+
+        model_type, config = HYBRID[case]
+        build_hf_model(model_type, {**config, **HYBRID_CASES[case][2], "vocab_size": 256}, path)
+        return
     model_type, config, _, _ = CASES[case]
     if model_type == "deepseek_v3":  # the parity test's tiny DeepSeek-V3 (MoE, q LoRA, MLA)
         from tests.models.test_parity_deepseek import FAMILIES
@@ -99,22 +128,41 @@ def _build(case: str, path) -> None:
     build_hf_model(model_type, config, path)
 
 
+def _rebind(runner, group: int, backend: type) -> None:
+    """Run group ``group`` on ``backend`` (built like the old one), rebound to every layer."""
+    old = runner.backends[group]
+    runner.backends[group] = backend(old.block_size)
+    for m in runner.model.modules():
+        if getattr(m, "backend", None) is old:
+            m.backend = runner.backends[group]
+
+
 def _generate(model_dir, graphs: type[CudaGraphRunner] | None, backend: type | None = None,
               case: str = "gqa"):
-    llm = LLM(str(model_dir), dtype="float32", attention_backend=CASES[case][2], max_num_seqs=MAX_SEQS,
-              max_model_len=64, max_num_batched_tokens=64, **CASES[case][3])
+    if case in HYBRID_CASES:  # the graphs read max_model_len keys: 32 covers these runs
+        (attention, state, _), options, max_len = HYBRID_CASES[case], {}, 32
+    else:
+        (_, _, attention, options), state, max_len = CASES[case], None, 64
+    llm = LLM(str(model_dir), dtype="float32", attention_backend=attention, max_num_seqs=MAX_SEQS,
+              max_model_len=max_len, max_num_batched_tokens=64, **options)
     runner = llm.llm_engine.runner
+    if case in HYBRID_CASES:  # the state layers' backend (CPU picks TORCH_*), in both runs
+        from attnserve.attention.registry import load_backend
+
+        (group,) = [g for g, b in enumerate(runner.backends) if isinstance(b, StateBackend)]
+        _rebind(runner, group, load_backend(state))
+        assert sorted(b.name for b in runner.backends) == sorted([attention, state])
     if graphs is not None:
-        if backend is not None:  # the same backend with other graph hooks, rebound to every layer
-            old = runner.backends[0]
-            runner.backends[0] = backend(old.block_size)
-            for m in runner.model.modules():
-                if getattr(m, "backend", None) is old:
-                    m.backend = runner.backends[0]
+        if backend is not None:  # the same backend with other graph hooks
+            _rebind(runner, 0, backend)
         assert CudaGraphRunner.supported(runner.backends)
-        runner.graphs = graphs(runner.model, runner.backends, runner.block_size, MAX_SEQS, 64, runner.device)
+        runner.graphs = graphs(runner.model, runner.backends, runner.block_size, MAX_SEQS, max_len, runner.device,
+                               has_state=bool(runner.state_caches), num_paged_groups=len(runner.groups))
         runner.graphs.capture()
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    # 3 requests: the bucket of 4 with a padded row; hybrids decode fewer tokens (each forward
+    # of theirs runs two or three Triton kernels under the interpreter)
+    params = SamplingParams(temperature=0.0, max_tokens=4 if case in HYBRID_CASES else 6, ignore_eos=True,
+                            logprobs=3)
     return run_engine(llm, make_prompts([5, 9, 3], vocab=256), params)
 
 
@@ -127,13 +175,13 @@ def _assert_same(a_outs, b_outs, tol=1e-5):
                 assert abs(ea[tid].logprob - eb[tid].logprob) < tol
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(HYBRID_CASES))
 def test_replayed_decode_steps_equal_eager(case, tmp_path):
     _build(case, tmp_path)
     eager = _generate(tmp_path, None, case=case)
     EagerReplay.replays = 0
     replayed = _generate(tmp_path, EagerReplay, case=case)
-    assert EagerReplay.replays >= 5  # every decode step of the three requests
+    assert EagerReplay.replays >= (3 if case in HYBRID_CASES else 5)  # every decode step of the three requests
     # fp8 DSA (GLM-5): the indexer query is rounded to e4m3 after a batched Hadamard matmul, whose last
     # bit follows the batch's row count (3 eager, 4 in the padded bucket), so a score near a
     # rounding edge moves a little; with 4 requests (no padding) the runs are bitwise equal
@@ -184,5 +232,6 @@ def test_only_graph_safe_backends_are_captured():
     from attnserve.attention.state.torch_backends import TorchGDNBackend
 
     assert CudaGraphRunner.supported([TritonAttentionBackend(16)])
-    assert not CudaGraphRunner.supported([TritonAttentionBackend(16), TorchGDNBackend(16)])
+    assert CudaGraphRunner.supported([TritonAttentionBackend(16), TorchGDNBackend(16)])  # state layers too
+    assert not CudaGraphRunner.supported([TorchSDPABackend(16), TorchGDNBackend(16)])
     assert not CudaGraphRunner.supported([TorchSDPABackend(16)])

@@ -65,11 +65,12 @@ class LLMEngine:
 
     def _async_allowed(self, wanted: bool | None) -> bool:
         """Async scheduling needs a forward whose outcome depends only on what the device has:
-        not with state layers (slot snapshots follow the host's view), offloading (copies are
-        planned from finished steps), tensor parallelism, length-dependent RoPE or streaming."""
+        not with offloading (copies are planned from finished steps), tensor parallelism,
+        length-dependent RoPE or streaming. State layers take part: a slot's state follows the
+        tokens the scheduler has counted, and snapshot copies run in stream order
+        (``Scheduler._save_state``)."""
         parts = self.parts
         blockers = [why for why, bad in (
-            ("state layers", bool(parts.runner.state_caches)),
             ("KV offloading", parts.runner.offload is not None),
             ("tensor parallelism", parts.workers is not None),
             ("a length-dependent RoPE or StreamingLLM", self._uncacheable),

@@ -11,7 +11,10 @@ in flight (``Request.num_inflight``) until ``update`` appends it. So the next st
 scheduled before the last one's tokens are back (async scheduling): a request whose token is in
 flight gets that token as its next input, unless it is known to end there (``max_tokens``,
 ``max_model_len``); one that ends on a stop token is scheduled once more and its extra token
-dropped.
+dropped. Hybrid models' state snapshots are saved by the same count: a running request whose
+computed tokens end on a full block is snapshotted when it is scheduled (and after a step), the
+copy riding on the next forward, so saves and prefix-hit restores are exact however the steps
+overlap (``_save_state``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         focus = self._focus()
+        snapshots = self.kv.snapshots_enabled
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -82,6 +86,8 @@ class Scheduler:
             if req.num_inflight and self._ends_with_inflight(req):
                 i += 1  # its last token is in flight: nothing left to compute
                 continue
+            if snapshots:  # on a block boundary: keep the state there before this step moves on
+                self._save_state(req)
             num_new = self._align(req, req.num_computed_tokens,
                                   min(req.num_known_tokens - req.num_computed_tokens, budget))
             if len(self.running) == 1 or focus is not None:  # alone: a smaller chunk may fit
@@ -282,12 +288,11 @@ class Scheduler:
                 continue
             if req.status is not RequestStatus.RUNNING:  # finished (aborted, stopped) or preempted
                 continue
-            snapshot = self.kv.snapshot_state(req) if snapshots else None
+            if snapshots:
+                self._save_state(req)
             if self.offload is not None and req.cacheable:
                 self.offload.prepare_store(req.request_id, req.block_hashes, self.kv.live_block_ids(req.request_id),
                                            req.num_computed_tokens)
-                if snapshot is not None:
-                    self.offload.prepare_state_store(*snapshot)
             if req.request_id not in sampled:
                 continue
             self._append(req, sampled[req.request_id], progressed)
@@ -296,8 +301,22 @@ class Scheduler:
                 req.num_computed_tokens = 0
         return progressed
 
+    def _save_state(self, req: Request) -> None:
+        """Snapshot ``req``'s state if its computed tokens end on a full block whose hash is known
+        (``KVCacheManager.snapshot_state``), and offer the snapshot to the offload tier.
+
+        Right at any time: once every launched forward has run, the request's slot holds the
+        state of its ``num_computed_tokens`` tokens (a step counts them when it is scheduled),
+        and the copy runs before the next forward. ``update`` calls it after a step; with async
+        scheduling the next step is already counted by then, its input token still in flight,
+        so that block has no hash yet, and ``schedule`` saves it on the way in instead."""
+        snapshot = self.kv.snapshot_state(req)
+        if snapshot is not None and self.offload is not None:
+            self.offload.prepare_state_store(*snapshot)
+
     def _append(self, req: Request, token: int, progressed: list[Request]) -> None:
         req.append_output_token(token)
+        self.kv.cache_known_blocks(req)  # before a stop frees the blocks
         progressed.append(req)
         if self.suspects and self.suspects[0] is req:  # it ran alone to a new token: cleared
             self.suspects.popleft()

@@ -147,6 +147,19 @@ class KVCacheManager:
                 m.cache_blocks(rid, request.block_hashes, cached_len)
         return True
 
+    def cache_known_blocks(self, request: CacheRequest) -> None:
+        """Index the request's computed blocks that a token just appended has filled.
+
+        ``allocate_slots`` indexes the blocks full of known tokens; with async scheduling a step
+        is allocated while its input token is still in flight, so the block that token ends is
+        indexed here, once it is back (its K/V is written by a step already launched, before any
+        later step reads it). A no-op in the plain order, where allocation saw every token."""
+        if not self.enable_caching or not request.cacheable or request.num_tokens % self.block_size:
+            return
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        for m in self.managers:
+            m.cache_blocks(request.request_id, request.block_hashes, computed)
+
     def free(self, request: CacheRequest, uncache: bool = False) -> None:
         """Release the request's blocks (and state slot); ``uncache``: its blocks also leave the
         prefix-cache index, for a request whose step failed."""
@@ -160,8 +173,10 @@ class KVCacheManager:
         return self.state_pool.slot_of.get(request_id, 0) if self.state_pool is not None else 0
 
     def snapshot_state(self, request: CacheRequest) -> tuple[int, int] | None:
-        """After a step: if the request's state now ends on a full block, keep a copy of it
-        (keyed by that block's hash) so a later prefix hit can restore it.
+        """If the request's computed tokens end on a full block whose hash is known, keep a copy of
+        its state (keyed by that hash) so a later prefix hit can restore it. The copy runs before
+        the next forward, when the slot holds the state of exactly those tokens (every launched
+        step has advanced it by the tokens it counted), so this is right between any two steps.
 
         Returns:
             (block hash, snapshot slot) of a new snapshot, or None.

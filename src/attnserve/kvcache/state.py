@@ -4,9 +4,14 @@ State layers (Gated DeltaNet, Mamba, lightning, KDA) keep a fixed-size state per
 instead of per-token K/V. Paging buys nothing there, so the state lives in a pool of slots
 carved from the same memory budget as the KV blocks: one slot per running sequence, plus
 snapshot slots that hold the state at block boundaries so a prefix hit can restore it
-(least recently used snapshots are evicted first). Slot 0 is the null slot. This file knows
-slot ids and block hashes, not tensors; copies between slots are returned as (src, dst) pairs
-for the model runner to carry out.
+(least recently used snapshots are evicted first). This file knows slot ids and block hashes,
+not tensors; copies between slots are returned as (src, dst) pairs for the model runner to
+carry out.
+
+Slot 0 is the null slot: never allocated, snapshotted, stored or loaded. The padded rows of a
+replayed CUDA graph advance it (``runner/cuda_graph.py``), so its content is scratch; nothing
+reads it as a state (a request starts from zeros where ``has_initial_state`` is False, whatever
+its slot holds).
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def _bind_rotary_for_streaming(model: nn.Module) -> None:
 
 def allocate_state_cache(model: nn.Module, groups: list[KVCacheGroup], num_slots: int, device: torch.device,
                          backends: list) -> list[StateCache]:
-    """Allocate each state layer's slot tensors (zeroed: slot 0 is the null slot) and bind
+    """Allocate each state layer's slot tensors (zeroed; slot 0 is the null slot, scratch for padded graph rows) and bind
     them, with the group's backend, to the layer module (``layer_id`` + ``state_cache``)."""
     by_layer: dict[int, tuple[StateCache, int]] = {}
     for g in groups:

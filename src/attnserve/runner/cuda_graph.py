@@ -1,7 +1,9 @@
 """CUDA graphs for decode steps: one captured forward per batch-size bucket, through the backend hooks.
 
 A decode-only batch of B requests is padded to the next bucket size; the padded rows attend
-to the zeroed null block and write nothing (slot -1; state layers: the null state slot 0).
+to the zeroed null block and write nothing (slot -1). In state layers they advance the null
+state slot 0, which no request owns, snapshots or reads (``kvcache/state.py``), so its content
+is scratch and every real slot comes out as in an eager step.
 The runner owns persistent copies of the step's common device inputs (token ids, positions,
 ``CommonAttentionMetadata``'s tensors); per bucket it asks each group's backend once for the
 metadata of a captured batch (``Backend.build_graph_metadata``, over views of those buffers,
@@ -65,17 +67,24 @@ class CudaGraphRunner:
 
     Args:
         model: the model; its layers read the forward context like an eager step.
-        backends: one per KV cache group (every one ``cuda_graph_safe``).
+        backends: one per KV cache group (every one ``cuda_graph_safe``): the paged groups, then
+            the state groups.
         block_size, max_model_len: the cache's block size and the longest sequence.
         max_num_seqs: the largest bucket.
         device: the CUDA device.
         has_state: the model has state layers (their slots and initial-state flags are inputs).
+        num_paged_groups: how many of ``backends`` serve paged groups (each has a block table and
+            a slot mapping); None: all of them.
     """
 
+    warmups = 2  # eager forwards per bucket before its capture: compile kernels, settle allocations
+
     def __init__(self, model: torch.nn.Module, backends: list[Backend], block_size: int,
-                 max_num_seqs: int, max_model_len: int, device: torch.device, has_state: bool = False):
+                 max_num_seqs: int, max_model_len: int, device: torch.device, has_state: bool = False,
+                 num_paged_groups: int | None = None):
         self.model = model
         self.backends = backends
+        self.num_paged = len(backends) if num_paged_groups is None else num_paged_groups
         self.max_model_len = max_model_len
         self.device = device
         self.buckets = graph_buckets(max_num_seqs)
@@ -88,8 +97,8 @@ class CudaGraphRunner:
             input_ids=torch.zeros(n, dtype=torch.int64, **z), positions=torch.zeros(n, dtype=torch.int64, **z),
             token_seq_lens=torch.ones(n, dtype=torch.int64, **z),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, **z), seq_lens=torch.ones(n, dtype=torch.int32, **z),
-            block_tables=[torch.zeros(n, max_blocks, dtype=torch.int32, **z) for _ in backends],
-            slot_mappings=[torch.full((n,), -1, dtype=torch.int64, **z) for _ in backends],
+            block_tables=[torch.zeros(n, max_blocks, dtype=torch.int32, **z) for _ in range(self.num_paged)],
+            slot_mappings=[torch.full((n,), -1, dtype=torch.int64, **z) for _ in range(self.num_paged)],
             state_slots=torch.zeros(n, dtype=torch.int64, **z) if has_state else None,
             has_initial_state=torch.ones(n, dtype=torch.bool, **z) if has_state else None)
 
@@ -133,7 +142,7 @@ class CudaGraphRunner:
             metadata = [b.build_graph_metadata(common, g) for g, b in enumerate(self.backends)]
             ctx = ForwardContext(common=common, attn_metadata=metadata,
                                  token_seq_lens=self.static.token_seq_lens[:bs])
-            for _ in range(2):  # warm up: compile kernels, settle allocations
+            for _ in range(self.warmups):
                 self._forward(ctx)
             self._synchronize()
             replay, output = self._capture_graph(lambda ctx=ctx: self._forward(ctx))
@@ -171,14 +180,14 @@ class CudaGraphRunner:
         st.token_seq_lens[:b].copy_(ctx.token_seq_lens)
         st.seq_lens[:b].copy_(common.seq_lens)
         st.seq_lens[b:bs].fill_(1)
-        for g in range(len(self.backends)):
+        for g in range(self.num_paged):
             table = common.block_tables[g]
             st.block_tables[g][:b].zero_()
             st.block_tables[g][:b, : table.shape[1]].copy_(table)
             st.block_tables[g][b:bs].zero_()
             st.slot_mappings[g][:b].copy_(common.slot_mappings[g])
             st.slot_mappings[g][b:bs].fill_(-1)
-        if st.state_slots is not None:  # padded rows run on the null slot
+        if st.state_slots is not None:  # padded rows run on the null slot (scratch)
             st.state_slots[:b].copy_(common.state_slots)
             st.state_slots[b:bs].zero_()
             st.has_initial_state[:bs].fill_(True)

@@ -106,7 +106,8 @@ class ModelRunner:
     def _capture_graphs(self, backends, max_num_seqs: int, max_model_len: int) -> None:
         if CudaGraphRunner.supported(backends):
             self.graphs = CudaGraphRunner(self.model, backends, self.block_size, max_num_seqs, max_model_len,
-                                          self.device, has_state=bool(self.state_caches))
+                                          self.device, has_state=bool(self.state_caches),
+                                          num_paged_groups=len(self.groups))
             self.graphs.capture()
         else:
             logger.info("CUDA graphs off: backends %s are not all graph-safe", sorted({b.name for b in backends}))

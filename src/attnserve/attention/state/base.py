@@ -105,6 +105,12 @@ class StateBackend(Backend):
     Subclasses set ``name``, ``step`` (the mechanism's layer step, ``steps.py``) and, for a fused
     decode kernel, ``decode`` (called as the PyTorch one-token form it replaces); for a prefill
     kernel, ``prefill`` (called as the PyTorch chunked form it replaces).
+
+    CUDA graphs: a backend sets ``cuda_graph_safe`` when its decode path (conv update and
+    ``decode``) is. A captured batch's metadata is the default ``build_graph_metadata``:
+    ``build_state_metadata`` over the graph runner's views, so ``decode_slots`` is a view of its
+    int64 slot buffer (``.long()`` copies nothing), every request is a decode and the prefill part
+    is empty; a replay reads the step's slots from that buffer and no host value.
     """
 
     step: ClassVar[Callable[..., torch.Tensor]]

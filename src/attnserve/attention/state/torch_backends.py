@@ -4,6 +4,11 @@ Each is its mechanism's layer step (``steps.py``) with the PyTorch recurrent for
 tokens and the chunked form for the prefills: Gated DeltaNet (Qwen3-Next, Qwen3.5), the Mamba-1
 selective scan (Jamba), MiniMax's lightning attention and Kimi delta attention (Kimi-Linear).
 The fused decode kernels are the TRITON_* twins (``triton_backends.py``).
+
+All four are ``cuda_graph_safe``: a decode-only step runs the conv update and the recurrent form
+over the step's slots with gathers and scatters by index (no host reads, no boolean indexing,
+shapes fixed by the batch size), so a captured graph replays it for any slot values
+(``base.py`` says what the captured metadata holds).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class TorchGDNBackend(StateBackend):
     """Gated DeltaNet: short conv, then the chunked (prefill) or recurrent (decode) delta rule."""
 
     name = "TORCH_GDN"
+    cuda_graph_safe = True
     step = staticmethod(gdn_forward)
 
 
@@ -30,6 +36,7 @@ class TorchMambaBackend(StateBackend):
     """Mamba-1: short conv (with bias), token-wise SSM inputs, chunked or recurrent scan."""
 
     name = "TORCH_MAMBA"
+    cuda_graph_safe = True
     step = staticmethod(mamba_forward)
 
 
@@ -37,6 +44,7 @@ class TorchLightningBackend(StateBackend):
     """Lightning attention: block-wise prefill, recurrent decode (no conv state)."""
 
     name = "TORCH_LIGHTNING"
+    cuda_graph_safe = True
     step = staticmethod(lightning_forward)
 
 
@@ -44,4 +52,5 @@ class TorchKDABackend(StateBackend):
     """Kimi delta attention: three short convs, chunked WY prefill, recurrent decode."""
 
     name = "TORCH_KDA"
+    cuda_graph_safe = True
     step = staticmethod(kda_forward)

@@ -6,8 +6,8 @@ through a kernel that reads each sequence's state once and writes it once
 (``ops/triton_gdn.fused_delta_rule_decode``, with per-head or per-key-channel decay for KDA;
 ``ops/triton_state_decode``: Mamba's scan step with skip and gate in the same pass, lightning's
 decayed update). Prefills keep the chunked PyTorch forms and the convs stay PyTorch. On CPU they
-run only when named, under Triton's interpreter (tests). Not graph-captured yet: hybrid models
-run eagerly.
+run only when named, under Triton's interpreter (tests). All four are ``cuda_graph_safe``: the
+kernels take the slots as a device tensor and launch a grid fixed by the batch size.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class TritonGDNBackend(StateBackend):
     """Gated DeltaNet: chunked prefill (PyTorch), fused recurrent decode (Triton)."""
 
     name = "TRITON_GDN"
+    cuda_graph_safe = True
     step = staticmethod(gdn_forward)
     decode = staticmethod(fused_delta_rule_decode)
 
@@ -37,6 +38,7 @@ class TritonMambaBackend(StateBackend):
     """Mamba-1: chunked prefill scan (PyTorch), fused recurrent decode (Triton)."""
 
     name = "TRITON_MAMBA"
+    cuda_graph_safe = True
     step = staticmethod(mamba_forward)
     decode = staticmethod(fused_selective_scan_decode)
 
@@ -45,6 +47,7 @@ class TritonLightningBackend(StateBackend):
     """Lightning attention: block prefill (PyTorch), fused recurrent decode (Triton)."""
 
     name = "TRITON_LIGHTNING"
+    cuda_graph_safe = True
     step = staticmethod(lightning_forward)
     decode = staticmethod(fused_lightning_decode)
 
@@ -53,5 +56,6 @@ class TritonKDABackend(StateBackend):
     """Kimi delta attention: chunked prefill (PyTorch), fused per-key-channel decode (Triton)."""
 
     name = "TRITON_KDA"
+    cuda_graph_safe = True
     step = staticmethod(kda_forward)
     decode = staticmethod(fused_delta_rule_decode)
