@@ -73,6 +73,8 @@ FAMILIES = {
 # the sparse-MLA (DSA) and hybrid families of their CPU parity tests
 FAMILIES.update({f"dsa_{k}": v for k, v in DSA_FAMILIES.items()})
 FAMILIES["qwen3_next"] = HYBRID_FAMILIES["qwen3_next"]
+FAMILIES["qwen3_5"] = HYBRID_FAMILIES["qwen3_5"]
+FAMILIES["qwen3_5_moe"] = HYBRID_FAMILIES["qwen3_5_moe"]
 FAMILIES["kimi_linear"] = HYBRID_FAMILIES["kimi_linear"]
 FAMILIES["jamba"] = HYBRID_FAMILIES["jamba"]
 FAMILIES["minimax"] = HYBRID_FAMILIES["minimax"]

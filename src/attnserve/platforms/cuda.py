@@ -25,10 +25,11 @@ def describe(compute_capability: tuple[int, int] | None = None) -> Platform:
             (LayerKind.SLIDING, _STANDARD),
             (LayerKind.MLA, ("FLASHMLA", "TRITON_MLA", "TORCH_MLA")),
             (LayerKind.SPARSE_MLA, ("FLASHMLA_SPARSE", "TRITON_MLA_SPARSE", "TORCH_MLA_SPARSE")),
-            (LayerKind.GDN, ("TORCH_GDN", "TRITON_GDN")),  # TRITON_GDN first once run on a GPU
-            (LayerKind.MAMBA, ("TORCH_MAMBA", "TRITON_MAMBA")),  # TRITON_MAMBA first once run on a GPU
-            (LayerKind.LIGHTNING, ("TORCH_LIGHTNING", "TRITON_LIGHTNING")),  # TRITON_LIGHTNING first once run on a GPU
-            (LayerKind.KDA, ("TORCH_KDA", "TRITON_KDA")),  # TRITON_KDA first once run on a GPU
+            # the Triton state backends first: measured on the H200 (docs/performance.md)
+            (LayerKind.GDN, ("TRITON_GDN", "TORCH_GDN")),
+            (LayerKind.MAMBA, ("TRITON_MAMBA", "TORCH_MAMBA")),
+            (LayerKind.LIGHTNING, ("TRITON_LIGHTNING", "TORCH_LIGHTNING")),
+            (LayerKind.KDA, ("TRITON_KDA", "TORCH_KDA")),
             (LayerKind.NSA, ("TORCH_NSA",)),
         ),
     )
