@@ -194,8 +194,8 @@ def _delta_rule_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, 
                                out_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sg_k, sbeta_t, sbeta_h,
                                ss_n, ss_h, ss_k, ss_v, so_t, so_h, group, dk, dv, scale, eps,
                                L2NORM: tl.constexpr, G_PER_CHANNEL: tl.constexpr, PREC: tl.constexpr,
-                               SOLVE_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
-                               INTERPRET: tl.constexpr):
+                               SOLVE_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                               BC: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -243,13 +243,13 @@ def _chunk(chunk_size: int) -> int:
     return min(MAX_CHUNK, max(SUB, triton.next_power_of_2(chunk_size)))
 
 
-def _config(dv: int, block_v: int | None) -> tuple[int, int]:
+def _config(dv: int, block_v: int | None, num_warps: int | None) -> tuple[int, int]:
     """(value columns per program, warps): the whole head in the interpreter, else pinned."""
     if block_v is None:
         block_v = triton.next_power_of_2(dv) if env.triton_interpret() else min(64, triton.next_power_of_2(dv))
     if block_v & (block_v - 1) or block_v < 16:
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
-    return block_v, 8
+    return block_v, num_warps or 8
 
 
 def _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state) -> None:
@@ -297,6 +297,7 @@ def fused_delta_rule_prefill(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over several sequences in one launch; ``delta_rule_prefill``'s twin.
 
@@ -314,6 +315,8 @@ def fused_delta_rule_prefill(
         chunk_size: tokens per chunk, rounded to a power of two in [16, 64]; it changes the
             rounding only, never the result.
         block_v: value columns per program (a power of two >= 16); None: the pinned choice.
+        num_warps: warps per program; None: the pinned choice (block_v and num_warps are for
+            tuning; the result does not depend on them).
 
     Returns:
         [T, Hv, dv] in the dtype of ``v``.
@@ -328,7 +331,7 @@ def fused_delta_rule_prefill(
     n = state_indices.shape[0]
     if t == 0 or n == 0:
         return out
-    bv, warps = _config(dv, block_v)
+    bv, warps = _config(dv, block_v, num_warps)
     exact = all(x.dtype == torch.float32 for x in (q, k, v))
     # fmt: off
     _delta_rule_prefill_kernel[(n, hv, triton.cdiv(dv, bv))](
@@ -337,8 +340,8 @@ def fused_delta_rule_prefill(
         g3.stride(0), g3.stride(1), g3.stride(2), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), out.stride(0), out.stride(1),
         hv // hk, dk, dv, dk ** -0.5, 1e-6, L2NORM=use_qk_l2norm, G_PER_CHANNEL=per_channel,
-        PREC="ieee" if exact else "tf32", SOLVE_PREC="ieee" if exact else "tf32x3", BT=_chunk(chunk_size), BK=max(16, triton.next_power_of_2(dk)),
-        BV=bv, BC=SUB, INTERPRET=env.triton_interpret(), num_warps=warps)
+        PREC="ieee" if exact else "tf32", SOLVE_PREC="ieee" if exact else "tf32x3", BT=_chunk(chunk_size),
+        BK=max(16, triton.next_power_of_2(dk)), BV=bv, BC=SUB, INTERPRET=env.triton_interpret(), num_warps=warps)
     # fmt: on
     return out
 
