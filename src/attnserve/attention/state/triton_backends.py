@@ -1,11 +1,13 @@
-"""The state backends with their decode step fused into one Triton kernel (CUDA, ROCm).
+"""The state backends with their decode step (and, for the delta rule, their prefill) in Triton (CUDA, ROCm).
 
 TRITON_GDN, TRITON_MAMBA, TRITON_LIGHTNING and TRITON_KDA run the same layer step, metadata and
 state layout as their TORCH_* twins (``torch_backends.py``), with the decode tokens' recurrence
 through a kernel that reads each sequence's state once and writes it once
 (``ops/triton_gdn.fused_delta_rule_decode``, with per-head or per-key-channel decay for KDA;
 ``ops/triton_state_decode``: Mamba's scan step with skip and gate in the same pass, lightning's
-decayed update). Prefills keep the chunked PyTorch forms and the convs stay PyTorch. On CPU they
+decayed update). TRITON_GDN's and TRITON_KDA's prefills run the chunked delta rule in one varlen
+launch (``ops/triton_delta_prefill``: no padding, no host synchronisation); Mamba's and
+lightning's prefills keep the chunked PyTorch forms, and the convs stay PyTorch. On CPU they
 run only when named, under Triton's interpreter (tests). All four are ``cuda_graph_safe``: the
 kernels take the slots as a device tensor and launch a grid fixed by the batch size.
 """
@@ -19,6 +21,7 @@ from attnserve.attention.state.steps import (
     lightning_forward,
     mamba_forward,
 )
+from attnserve.ops.triton_delta_prefill import fused_gated_delta_prefill, fused_kda_prefill
 from attnserve.ops.triton_gdn import fused_delta_rule_decode
 from attnserve.ops.triton_state_decode import fused_lightning_decode, fused_selective_scan_decode
 
@@ -26,12 +29,13 @@ __all__ = ["TritonGDNBackend", "TritonKDABackend", "TritonLightningBackend", "Tr
 
 
 class TritonGDNBackend(StateBackend):
-    """Gated DeltaNet: chunked prefill (PyTorch), fused recurrent decode (Triton)."""
+    """Gated DeltaNet: chunked prefill and fused recurrent decode, both Triton."""
 
     name = "TRITON_GDN"
     cuda_graph_safe = True
     step = staticmethod(gdn_forward)
     decode = staticmethod(fused_delta_rule_decode)
+    prefill = staticmethod(fused_gated_delta_prefill)
 
 
 class TritonMambaBackend(StateBackend):
@@ -53,9 +57,10 @@ class TritonLightningBackend(StateBackend):
 
 
 class TritonKDABackend(StateBackend):
-    """Kimi delta attention: chunked prefill (PyTorch), fused per-key-channel decode (Triton)."""
+    """Kimi delta attention: chunked prefill and fused recurrent decode (per-key-channel decay), Triton."""
 
     name = "TRITON_KDA"
     cuda_graph_safe = True
     step = staticmethod(kda_forward)
     decode = staticmethod(fused_delta_rule_decode)
+    prefill = staticmethod(fused_kda_prefill)
