@@ -1,13 +1,15 @@
-"""The state backends with their decode step fused into one Triton kernel (CUDA, ROCm).
+"""The state backends with Triton kernels for their decode steps, some prefills and the short convs.
 
 TRITON_GDN, TRITON_MAMBA, TRITON_LIGHTNING and TRITON_KDA run the same layer step, metadata and
 state layout as their TORCH_* twins (``torch_backends.py``), with the decode tokens' recurrence
 through a kernel that reads each sequence's state once and writes it once
 (``ops/triton_gdn.fused_delta_rule_decode``, with per-head or per-key-channel decay for KDA;
 ``ops/triton_state_decode``: Mamba's scan step with skip and gate in the same pass, lightning's
-decayed update). Prefills keep the chunked PyTorch forms and the convs stay PyTorch. On CPU they
-run only when named, under Triton's interpreter (tests). Not graph-captured yet: hybrid models
-run eagerly.
+decayed update). Mamba's and lightning's prefills are kernels too (``ops/triton_state_prefill``:
+the scan token by token, lightning block by block, each sequence's bounds read on the device), as
+is the short conv of GDN, Mamba and KDA, prefill and decode; GDN's and KDA's prefills keep the
+chunked PyTorch forms. On CPU they run only when named, under Triton's interpreter (tests). Not
+graph-captured yet: hybrid models run eagerly.
 """
 
 from __future__ import annotations
@@ -21,37 +23,55 @@ from attnserve.attention.state.steps import (
 )
 from attnserve.ops.triton_gdn import fused_delta_rule_decode
 from attnserve.ops.triton_state_decode import fused_lightning_decode, fused_selective_scan_decode
+from attnserve.ops.triton_state_prefill import (
+    fused_causal_conv1d_prefill,
+    fused_causal_conv1d_update,
+    fused_lightning_prefill,
+    fused_selective_scan_prefill,
+)
 
 __all__ = ["TritonGDNBackend", "TritonKDABackend", "TritonLightningBackend", "TritonMambaBackend"]
 
 
 class TritonGDNBackend(StateBackend):
-    """Gated DeltaNet: chunked prefill (PyTorch), fused recurrent decode (Triton)."""
+    """Gated DeltaNet: chunked prefill (PyTorch), fused recurrent decode and short conv (Triton)."""
 
     name = "TRITON_GDN"
     step = staticmethod(gdn_forward)
     decode = staticmethod(fused_delta_rule_decode)
+    conv_update = staticmethod(fused_causal_conv1d_update)
+    conv_prefill = staticmethod(fused_causal_conv1d_prefill)
 
 
 class TritonMambaBackend(StateBackend):
-    """Mamba-1: chunked prefill scan (PyTorch), fused recurrent decode (Triton)."""
+    """Mamba-1: prefill scan, recurrent decode and short conv, all Triton."""
 
     name = "TRITON_MAMBA"
     step = staticmethod(mamba_forward)
     decode = staticmethod(fused_selective_scan_decode)
+    prefill = staticmethod(fused_selective_scan_prefill)
+    conv_update = staticmethod(fused_causal_conv1d_update)
+    conv_prefill = staticmethod(fused_causal_conv1d_prefill)
 
 
 class TritonLightningBackend(StateBackend):
-    """Lightning attention: block prefill (PyTorch), fused recurrent decode (Triton)."""
+    """Lightning attention: block prefill and recurrent decode, both Triton (no short conv: the conv
+    pair is set for uniformity and unused)."""
 
     name = "TRITON_LIGHTNING"
     step = staticmethod(lightning_forward)
     decode = staticmethod(fused_lightning_decode)
+    prefill = staticmethod(fused_lightning_prefill)
+    conv_update = staticmethod(fused_causal_conv1d_update)
+    conv_prefill = staticmethod(fused_causal_conv1d_prefill)
 
 
 class TritonKDABackend(StateBackend):
-    """Kimi delta attention: chunked prefill (PyTorch), fused per-key-channel decode (Triton)."""
+    """Kimi delta attention: chunked prefill (PyTorch), fused per-key-channel decode and short convs
+    (Triton)."""
 
     name = "TRITON_KDA"
     step = staticmethod(kda_forward)
     decode = staticmethod(fused_delta_rule_decode)
+    conv_update = staticmethod(fused_causal_conv1d_update)
+    conv_prefill = staticmethod(fused_causal_conv1d_prefill)
