@@ -8,8 +8,9 @@ chunks, one-token prompts) take the varlen prefill forms, which read the state o
 ``StateBackend`` is the contract of the state layers (Gated DeltaNet, Mamba, lightning, KDA):
 ``forward(layer, inputs, state_cache, metadata)``, where ``inputs`` are the mechanism's own
 tensors (``steps.py`` documents each) and ``state_cache`` the layer's slot tensors. A concrete
-backend names its mechanism's ``step`` and, optionally, a ``decode`` kernel that replaces the
-PyTorch recurrent step (the TRITON_* backends).
+backend names its mechanism's ``step`` and, optionally, kernels that replace PyTorch forms (the
+TRITON_* backends): ``decode`` the recurrent step, ``prefill`` the chunked form, ``conv_update`` and
+``conv_prefill`` the short conv's two forms.
 
 What it is not: the layers (``layers/gdn.py``, ...), the arithmetic (the other modules of this
 package), or a kernel (``ops/``).
@@ -99,12 +100,13 @@ def build_state_metadata(common: CommonAttentionMetadata) -> StateMetadata:
 
 
 class StateBackend(Backend):
-    """A state mechanism over a slot pool: chunked prefill forms in PyTorch, and a decode step
-    that is PyTorch's unless the backend names a kernel.
+    """A state mechanism over a slot pool: PyTorch forms unless the backend names kernels.
 
     Subclasses set ``name``, ``step`` (the mechanism's layer step, ``steps.py``) and, for a fused
     decode kernel, ``decode`` (called as the PyTorch one-token form it replaces); for a prefill
-    kernel, ``prefill`` (called as the PyTorch chunked form it replaces).
+    kernel, ``prefill`` (called as the PyTorch chunked form it replaces); for the short conv,
+    ``conv_update`` and ``conv_prefill`` (called as ``causal_conv1d_update`` and
+    ``causal_conv1d_prefill``). None keeps the PyTorch form.
 
     CUDA graphs: a backend sets ``cuda_graph_safe`` when its decode path (conv update and
     ``decode``) is. A captured batch's metadata is the default ``build_graph_metadata``:
@@ -116,6 +118,8 @@ class StateBackend(Backend):
     step: ClassVar[Callable[..., torch.Tensor]]
     decode: ClassVar[Callable[..., torch.Tensor] | None] = None
     prefill: ClassVar[Callable[..., torch.Tensor] | None] = None
+    conv_update: ClassVar[Callable[..., torch.Tensor] | None] = None
+    conv_prefill: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> StateMetadata:
         return build_state_metadata(common)
@@ -132,6 +136,6 @@ class StateBackend(Backend):
         Returns:
             The mechanism's output per token (``step`` gives its shape).
         """
-        kernels = {name: fn for name, fn in (("decode", self.decode), ("prefill", self.prefill))
-                   if fn is not None}
+        kernels = {name: fn for name in ("decode", "prefill", "conv_update", "conv_prefill")
+                   if (fn := getattr(self, name)) is not None}
         return self.step(layer, *inputs, state_cache, metadata, **kernels)

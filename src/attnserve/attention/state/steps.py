@@ -5,7 +5,7 @@ the state backends (``base.StateBackend``): the short convs where the mechanism 
 the recurrent one-token form for the step's decode tokens and the chunked (block, scan) form for
 the rest, each continuing its sequence's state. ``decode`` is the one-token form; a TRITON_*
 backend passes its fused kernel, called with the same arguments, and ``prefill`` likewise replaces
-the chunked form.
+the chunked form, ``conv_update`` and ``conv_prefill`` the short conv's two forms.
 
 What it is not: the projections, gates and norms (the layers, ``layers/``), the arithmetic
 (``gated_delta.py``, ``mamba.py``, ``lightning.py``, ``kda.py``, ``conv.py``), or a kernel.
@@ -37,6 +37,9 @@ def conv_forward(
     bias: torch.Tensor | None,
     conv_state: torch.Tensor,
     metadata: StateMetadata,
+    *,
+    update: Callable[..., torch.Tensor] = causal_conv1d_update,
+    prefill: Callable[..., torch.Tensor] = causal_conv1d_prefill,
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of every token, each continuing its sequence's conv state.
 
@@ -45,13 +48,16 @@ def conv_forward(
         weight: [C, K]; bias: [C] or None.
         conv_state: [num_slots, C, K-1], updated in place.
         metadata: the step's ``StateMetadata``.
+        update, prefill: the conv of the decode and of the prefill tokens, called as
+            ``causal_conv1d_update`` and ``causal_conv1d_prefill`` (the TRITON_* backends pass
+            their kernels).
     Returns:
         [T, C] in the dtype of ``x``.
     """
     md = metadata
     return md.split(
-        lambda s: causal_conv1d_update(x[s], weight, bias, conv_state, state_indices=md.decode_slots, silu=True),
-        lambda s: causal_conv1d_prefill(x[s], weight, bias, conv_state, **md.prefill_args(), silu=True))
+        lambda s: update(x[s], weight, bias, conv_state, state_indices=md.decode_slots, silu=True),
+        lambda s: prefill(x[s], weight, bias, conv_state, **md.prefill_args(), silu=True))
 
 
 def gdn_forward(
@@ -64,6 +70,8 @@ def gdn_forward(
     *,
     decode: Callable[..., torch.Tensor] = gated_delta_decode,
     prefill: Callable[..., torch.Tensor] = gated_delta_prefill,
+    conv_update: Callable[..., torch.Tensor] = causal_conv1d_update,
+    conv_prefill: Callable[..., torch.Tensor] = causal_conv1d_prefill,
 ) -> torch.Tensor:
     """The delta-rule output of every token; the layer's conv and recurrent states advance.
 
@@ -77,11 +85,13 @@ def gdn_forward(
         decode: the recurrent step of the decode tokens, called as ``gated_delta_decode``
             (TRITON_GDN passes its fused kernel).
         prefill: the chunked form of the prefill tokens, called as ``gated_delta_prefill``.
+        conv_update, conv_prefill: the short conv's two forms (``conv_forward``).
     Returns:
         [T, Hv, dv] in the dtype of ``mixed_qkv``.
     """
     t = mixed_qkv.shape[0]
-    x = conv_forward(mixed_qkv, layer.conv_weight, None, state_cache.conv[0], metadata)
+    x = conv_forward(mixed_qkv, layer.conv_weight, None, state_cache.conv[0], metadata, update=conv_update,
+                     prefill=conv_prefill)
     key_dim = layer.num_k_heads * layer.head_k_dim
     q, k, v = x.split([key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
     q = q.reshape(t, layer.num_k_heads, layer.head_k_dim)  # [T, Hk, dk]
@@ -95,8 +105,9 @@ def gdn_forward(
 
 
 def mamba_forward(layer, x: torch.Tensor, z: torch.Tensor, state_cache: Any, metadata: StateMetadata, *,
-                  decode: Callable = selective_scan_decode,
-                  prefill: Callable = selective_scan_prefill) -> torch.Tensor:
+                  decode: Callable = selective_scan_decode, prefill: Callable = selective_scan_prefill,
+                  conv_update: Callable = causal_conv1d_update,
+                  conv_prefill: Callable = causal_conv1d_prefill) -> torch.Tensor:
     """The gated scan output of every token; the layer's conv and SSM states advance.
 
     Args:
@@ -108,10 +119,12 @@ def mamba_forward(layer, x: torch.Tensor, z: torch.Tensor, state_cache: Any, met
         metadata: the step's ``StateMetadata``.
         decode: the one-token scan step, called as ``selective_scan_decode``.
         prefill: the chunked scan of the prefill tokens, called as ``selective_scan_prefill``.
+        conv_update, conv_prefill: the short conv's two forms (``conv_forward``).
     Returns:
         [T, Di] ``(C . h + D x) * SiLU(z)`` in the dtype of ``x``.
     """
-    xc = conv_forward(x, layer.conv_weight, layer.conv_bias, state_cache.conv[0], metadata)
+    xc = conv_forward(x, layer.conv_weight, layer.conv_bias, state_cache.conv[0], metadata, update=conv_update,
+                      prefill=conv_prefill)
     dt, b, c = layer.ssm_params(xc)
     a, d = layer.A, layer.D
     state, md = state_cache.recurrent[0], metadata
@@ -123,7 +136,8 @@ def mamba_forward(layer, x: torch.Tensor, z: torch.Tensor, state_cache: Any, met
 
 def lightning_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_cache: Any,
                       metadata: StateMetadata, *, decode: Callable = lightning_attention_decode,
-                      prefill: Callable = lightning_attention_prefill) -> torch.Tensor:
+                      prefill: Callable = lightning_attention_prefill, conv_update: Callable | None = None,
+                      conv_prefill: Callable | None = None) -> torch.Tensor:
     """``o_t = sum_{j<=t} lambda^(t-j) (q_t . k_j) v_j`` per head, over cached and new tokens.
 
     Args:
@@ -134,6 +148,8 @@ def lightning_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         metadata: the step's ``StateMetadata``.
         decode: the one-token step, called as ``lightning_attention_decode``.
         prefill: the block form of the prefill tokens, called as ``lightning_attention_prefill``.
+        conv_update, conv_prefill: unused (lightning has no short conv); taken so that every
+            state backend hands its step the same kernels.
     Returns:
         [T, H, dv] in the dtype of ``v``.
     """
@@ -146,7 +162,8 @@ def lightning_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def kda_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state_cache: Any, metadata: StateMetadata, *, decode: Callable = kda_decode,
-                prefill: Callable = kda_prefill) -> torch.Tensor:
+                prefill: Callable = kda_prefill, conv_update: Callable = causal_conv1d_update,
+                conv_prefill: Callable = causal_conv1d_prefill) -> torch.Tensor:
     """The KDA output of every token; the layer's three conv states and its state advance.
 
     Args:
@@ -158,12 +175,13 @@ def kda_forward(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         metadata: the step's ``StateMetadata``.
         decode: the one-token step, called as ``kda_decode``.
         prefill: the chunked form of the prefill tokens, called as ``kda_prefill``.
+        conv_update, conv_prefill: the short conv's two forms (``conv_forward``).
     Returns:
         [T, H, d] in the dtype of ``v``.
     """
     t, h, d = q.shape[0], layer.num_heads, layer.head_dim
     q, k, v = (
-        conv_forward(x, w, None, conv, metadata).view(t, h, d)  # [T, H, d]
+        conv_forward(x, w, None, conv, metadata, update=conv_update, prefill=conv_prefill).view(t, h, d)  # [T, H, d]
         for x, w, conv in zip((q, k, v), layer.conv_weights, state_cache.conv)
     )
     state, md = state_cache.recurrent[0], metadata
