@@ -84,7 +84,9 @@ _SCAN_PROGRAMS = 2048  # the scan's programs below which the sequences are cut (
 _SCAN_MAX_PIECES = 32
 
 
-# Kernels keep dense argument lists, as in triton_paged_attention.py.
+# Kernels keep dense argument lists, as in triton_paged_attention.py. Values that change from step
+# to step (token and sequence counts, pieces; the per-sequence rows, slices that move with the
+# number of decodes) are not specialised on: a new class would compile a variant inside a step.
 # fmt: off
 @triton.jit
 def _scan_token(h, sdt, a, skip, x_nxt, dt_nxt, b_nxt, c_nxt, z_nxt, t, end, x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr,
@@ -114,7 +116,7 @@ def _scan_token(h, sdt, a, skip, x_nxt, dt_nxt, b_nxt, c_nxt, z_nxt, t, end, x_p
     return h, sdt, x_nxt, dt_nxt, b_nxt, c_nxt, z_nxt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("pieces",), do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
 def _selective_scan_prefill_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, state_ptr, qsl_ptr, idx_ptr,
                                    init_ptr, out_ptr, ws_ptr, sum_ptr, sx_t, sdt_t, sa_d, sa_n, sb_t, sc_t, sz_t,
                                    ss_p, ss_d, ss_n, dim, n, pieces, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
@@ -180,7 +182,7 @@ def _selective_scan_prefill_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_
         tl.store(sum_ptr + prog.to(tl.int64) * dim + chans, sdt, mask=chan_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("pieces",), do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
 def _scan_carry_kernel(a_ptr, state_ptr, idx_ptr, init_ptr, ws_ptr, sum_ptr, sa_d, sa_n, ss_p, ss_d, ss_n, dim, n,
                        pieces, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     # Across a sequence's pieces: each piece's entering state to the workspace (over its end
@@ -237,7 +239,7 @@ def _lightning_block(s, q_decay, pair, blk, end, q_ptr, k_ptr, v_ptr, out_ptr, s
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
 def _lightning_prefill_kernel(q_ptr, k_ptr, v_ptr, rate_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, out_ptr,
                               sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, ss_p, ss_h, ss_k, ss_v, num_heads, dk, dv,
                               PRECISION: tl.constexpr, BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -277,7 +279,8 @@ def _lightning_prefill_kernel(q_ptr, k_ptr, v_ptr, rate_ptr, state_ptr, qsl_ptr,
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens", "num_seqs", "search_steps"),
+            do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
 def _conv_prefill_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, out_ptr,
                          sx_t, sw_c, sw_k, ss_p, ss_c, ss_k, num_tokens, num_seqs, search_steps, channels,
                          K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
@@ -322,7 +325,7 @@ def _conv_prefill_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, idx_ptr, in
              mask=tok_ok[:, None] & chan_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
 def _conv_state_kernel(x_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, sx_t, ss_p, ss_c, ss_k, channels,
                        K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
     seq = tl.program_id(0)
