@@ -171,13 +171,17 @@ def client(server):
 @functools.cache
 def modules_outside_the_base_install() -> tuple[str, ...]:
     """Top-level modules of the installed distributions that attnserve's base install
-    (``[project] dependencies`` and theirs, recursively) does not bring."""
+    (``[project] dependencies`` and theirs, recursively) does not bring (none on Python 3.10,
+    which has no ``tomllib``)."""
     from importlib.metadata import PackageNotFoundError, distribution, packages_distributions
 
-    import tomllib
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        return ()
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     closure, stack = set(), [Requirement(r).name for r in project["project"]["dependencies"]]
     while stack:

@@ -159,7 +159,7 @@ def test_throughput_logger_reports_while_busy_and_once_after():
                        generation_tokens=100, num_steps=50, prefix_cache_queries=400, prefix_cache_hits=100)
     assert log.next_due(busy) == 10.0 and log.observe(busy, 5.0) is None  # not yet due
     line = log.observe(busy, 10.0)
-    assert line == ("prompt throughput 40.0 tokens/s, generation throughput 10.0 tokens/s, running 2 requests, "
+    assert line == ("prompt throughput 40.0 tokens/s, generation throughput 10.0 tokens/s, requests running 2, "
                     "waiting 1, KV cache usage 50.0%, prefix cache hit rate 25.0%")
     done = EngineStats(prompt_tokens=400, generation_tokens=150, num_steps=60, num_preemptions=2)
     line = log.observe(done, 20.0)
@@ -252,6 +252,7 @@ def test_the_server_is_in_the_base_install():
     """fastapi, uvicorn, httpx and prometheus_client are base dependencies, and nothing the
     test extras bring is: ``test_serve_subprocess`` serves with every module outside the base
     install made unimportable (``conftest.base_install_only_prelude``)."""
+    pytest.importorskip("tomllib")
     blocked = set(modules_outside_the_base_install())
     assert {"openai", "transformers", "pytest", "matplotlib"} <= blocked
     assert not {"fastapi", "uvicorn", "httpx", "prometheus_client", "starlette", "pydantic", "torch"} & blocked

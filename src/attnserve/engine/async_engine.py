@@ -101,7 +101,7 @@ class ThroughputLogger:
             hits = stats.prefix_cache_hits - last.prefix_cache_hits
             line = (f"prompt throughput {(stats.prompt_tokens - last.prompt_tokens) / elapsed:.1f} tokens/s, "
                     f"generation throughput {(stats.generation_tokens - last.generation_tokens) / elapsed:.1f} "
-                    f"tokens/s, running {stats.num_running} requests, waiting {stats.num_waiting}, "
+                    f"tokens/s, requests running {stats.num_running}, waiting {stats.num_waiting}, "
                     f"KV cache usage {stats.kv_cache_usage:.1%}, prefix cache hit rate "
                     f"{hits / queries if queries else 0.0:.1%}")
             if stats.num_preemptions != last.num_preemptions:

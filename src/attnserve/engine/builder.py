@@ -166,7 +166,7 @@ def build_engine_parts(config: EngineConfig, parallel: ParallelState | None = No
             starts the other ranks itself when ``tensor_parallel_size`` > 1.
     """
     model_dir = resolve_model_dir(config.model.model)
-    if config.model.revision is not None:
+    if config.model.revision is not None and parallel is None:
         # a revision picks a hub snapshot; a local directory or shipped preset is what it is
         logger.warning("revision '%s' is ignored: %s is a local directory, not a hub model id",
                        config.model.revision, model_dir)
