@@ -10,15 +10,30 @@ transformers runs qwen3_next's and kimi_linear's delta rules through fla's Trito
 whenever it can import ``fla`` (their autotuners do not run on CPU), and fla registers its own
 ``mamba``/``mamba2``/``bitnet`` configs with transformers. ``sys.modules["fla"] = None`` makes
 every ``import fla`` here fail, so transformers keeps its PyTorch reference paths.
+
+``attnserve.entrypoints.cli.main`` configures the ``attnserve`` logger (level, a stderr
+handler); each test gets the logger back as it found it, so one test's command line does not
+make later tests log.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.modules.setdefault("fla", None)
+
+
+@pytest.fixture(autouse=True)
+def _attnserve_logger_restored():
+    log = logging.getLogger("attnserve")
+    level, handlers = log.level, list(log.handlers)
+    yield
+    log.setLevel(level)
+    log.handlers[:] = handlers

@@ -27,11 +27,13 @@ class ModelConfig:
     dtype: str = "auto"  # auto: the checkpoint's dtype (on CPU too: pass float32 for exactness)
     load_format: str = "auto"  # auto | safetensors | dummy
     max_model_len: int | None = None
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # a tokenizer directory other than the model's
+    revision: str | None = None  # the hub revision (branch, tag, commit) of a hub model id
     seed: int = 0
     device: str | None = None  # cpu | cuda | cuda:N; None: this machine's platform
     served_model_name: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask; -1: no cap
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -40,6 +42,8 @@ class ModelConfig:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got '{self.load_format}'")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be a non-negative integer or -1 (no cap), got {self.max_logprobs!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ __all__ = [
     "mla_disabled",
     "triton_interpret",
     "log_level",
+    "log_stats_interval",
     "force_platform",
     "cpu_threads",
     "disable_nccl_multicast",
@@ -39,8 +40,22 @@ def api_key() -> str | None:
 
 
 def log_level() -> str:
-    """``ATTNSERVE_LOG_LEVEL`` (default WARNING)."""
-    return os.environ.get("ATTNSERVE_LOG_LEVEL", "WARNING").upper()
+    """``ATTNSERVE_LOG_LEVEL``: the level of attnserve's log on the command line (DEBUG, INFO,
+    WARNING, ERROR; default INFO)."""
+    return os.environ.get("ATTNSERVE_LOG_LEVEL", "").strip().upper() or "INFO"
+
+
+def log_stats_interval() -> float:
+    """``ATTNSERVE_LOG_STATS_INTERVAL``: seconds between the server's throughput lines
+    (default 10)."""
+    value = os.environ.get("ATTNSERVE_LOG_STATS_INTERVAL", "").strip()
+    try:
+        seconds = float(value) if value else 10.0
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"ATTNSERVE_LOG_STATS_INTERVAL must be positive seconds, got {value!r}")
+    return seconds
 
 
 def force_platform() -> str | None:

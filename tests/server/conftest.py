@@ -8,9 +8,11 @@ for the whole session, in a thread (uvicorn on a socket bound to port 0), with a
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -166,10 +168,61 @@ def client(server):
         yield c
 
 
-def metric_value(text: str, name: str) -> float:
-    """The sum of the samples of ``name`` (all label sets) in a Prometheus text page."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+@functools.cache
+def modules_outside_the_base_install() -> tuple[str, ...]:
+    """Top-level modules of the installed distributions that attnserve's base install
+    (``[project] dependencies`` and theirs, recursively) does not bring (none on Python 3.10,
+    which has no ``tomllib``)."""
+    from importlib.metadata import PackageNotFoundError, distribution, packages_distributions
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        return ()
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    closure, stack = set(), [Requirement(r).name for r in project["project"]["dependencies"]]
+    while stack:
+        name = canonicalize_name(stack.pop())
+        if name in closure:
+            continue
+        closure.add(name)
+        try:
+            requires = distribution(name).requires or []
+        except PackageNotFoundError:
+            continue
+        stack += [r.name for r in map(Requirement, requires) if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return tuple(sorted(
+        module
+        for module, dists in packages_distributions().items()
+        if module != "attnserve" and module not in sys.stdlib_module_names
+        and not {canonicalize_name(d) for d in dists} & closure
+    ))
+
+
+def base_install_only_prelude() -> str:
+    """Python source that, run first in a process, makes every module outside the base install
+    unimportable: the process has what ``pip install -e .`` gives, nothing of the test extras."""
+    return f"""import importlib.abc, sys
+BLOCKED = set({json.dumps(modules_outside_the_base_install())})
+class _NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not in the base install)", name=name)
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels``, in a Prometheus
+    text page (read with ``prometheus_client``'s parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )

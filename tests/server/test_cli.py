@@ -18,7 +18,7 @@ import pytest
 from attnserve.entrypoints.bench import random_lengths
 from attnserve.entrypoints.cli import build_parser, main
 from attnserve.sampling_params import SamplingParams
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, base_install_only_prelude
 
 
 def test_serve_defaults_to_loopback_and_the_demo_model():
@@ -69,13 +69,16 @@ def _free_port() -> int:
 
 
 def test_serve_subprocess(model_dir, reference, tmp_path):
+    """``attnserve serve`` in a process where nothing outside the base install can be imported
+    (what ``pip install -e .`` gives), through the openai client; it logs its start-up summary."""
     port = _free_port()
     log = open(tmp_path / "serve.log", "w+")
+    run_cli = "from attnserve.entrypoints.cli import main; import httpx, tqdm; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "attnserve",
+            "-c",
+            base_install_only_prelude() + run_cli,
             "serve",
             str(model_dir),
             "--port",
@@ -91,7 +94,7 @@ def test_serve_subprocess(model_dir, reference, tmp_path):
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**{k: v for k, v in os.environ.items() if k != "ATTNSERVE_LOG_LEVEL"}, "PYTHONUNBUFFERED": "1"},
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -121,7 +124,11 @@ def test_serve_subprocess(model_dir, reference, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
-    assert proc.returncode == 0, (tmp_path / "serve.log").read_text()
+    log_text = (tmp_path / "serve.log").read_text()
+    assert proc.returncode == 0, log_text
+    # the start-up summary, logged at INFO (ATTNSERVE_LOG_LEVEL's default)
+    assert "INFO" in log_text and "backend " in log_text, log_text
+    assert "tokens fit" in log_text and "max_num_seqs" in log_text, log_text
 
 
 def test_random_lengths():
@@ -131,7 +138,7 @@ def test_random_lengths():
     assert min(lens) >= 5 and max(lens) <= 15 and len(set(lens)) > 5
 
 
-def test_bench_latency(model_dir, tmp_path):
+def test_bench_latency(model_dir, tmp_path, capsys):
     out = tmp_path / "lat.json"
     rc = main(
         [
@@ -159,6 +166,9 @@ def test_bench_latency(model_dir, tmp_path):
     assert rc == 0 and len(result["latencies"]) == 3 and result["avg_latency"] > 0
     assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert min(result["latencies"]) <= result["percentiles"]["50"] <= max(result["latencies"])
+    err = capsys.readouterr().err  # progress bars on stderr, one per phase, none per batch
+    assert "Warm-up iterations" in err and "Timed iterations" in err
+    assert "Processed prompts" not in err
 
 
 def _expected_lengths(n: int, input_len: int, output_len: int, ratio: float, seed: int = 0):
@@ -166,7 +176,7 @@ def _expected_lengths(n: int, input_len: int, output_len: int, ratio: float, see
     return random_lengths(n, input_len, ratio, rng), random_lengths(n, output_len, ratio, rng)
 
 
-def test_bench_throughput(model_dir, tmp_path):
+def test_bench_throughput(model_dir, tmp_path, capsys):
     out = tmp_path / "thr.json"
     rc = main(
         [
@@ -194,6 +204,7 @@ def test_bench_throughput(model_dir, tmp_path):
     assert result["total_input_tokens"] == sum(ins)
     assert result["total_output_tokens"] == sum(outs)  # ignore_eos: every request runs to its end
     assert result["requests_per_second"] == pytest.approx(16 / result["elapsed_time"])
+    assert "Processed prompts" in capsys.readouterr().err
 
 
 def test_bench_serve(server, tmp_path, capsys):

@@ -206,6 +206,10 @@ def test_penalties_and_stop_token_ids(client, reference):
 
 
 def test_metrics_count_requests_and_prefix_hits(client, server):
+    """``/metrics`` read with prometheus_client's parser: vLLM's names and types, every sample
+    labelled with the served model's name, and the figures of two requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     def scrape() -> str:
         r = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -217,24 +221,44 @@ def test_metrics_count_requests_and_prefix_hits(client, server):
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0.0)
     after = scrape()
 
-    def delta(name: str) -> float:
-        return metric_value(after, name) - metric_value(before, name)
+    def delta(name: str, **labels: str) -> float:
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
 
-    assert delta("attnserve_request_success_total") == 2
-    assert delta("attnserve_prompt_tokens_total") == 128
-    assert delta("attnserve_generation_tokens_total") == 6
-    assert delta("attnserve_time_to_first_token_seconds_count") == 2
-    assert delta("attnserve_inter_token_latency_seconds_count") == 4
-    assert delta("attnserve_e2e_request_latency_seconds_count") == 2
-    assert delta("attnserve_prefix_cache_hits_total") >= 48
-    for name in (
-        "attnserve_kv_cache_usage_perc",
-        "attnserve_num_requests_running",
-        "attnserve_num_requests_waiting",
-        "attnserve_offload_hits_total",
-        "attnserve_offload_bytes_stored_total",
-        "attnserve_offload_bytes_loaded_total",
-        "attnserve_offload_transfer_seconds_total",
+    assert delta("vllm:request_success_total") == 2
+    assert delta("vllm:prompt_tokens_total", model_name=MODEL_NAME) == 128
+    assert delta("vllm:generation_tokens_total") == 6
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:inter_token_latency_seconds_count") == 4
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 2
+    assert delta("vllm:e2e_request_latency_seconds_count") == 2
+    assert delta("vllm:request_prompt_tokens_sum") == 128
+    assert delta("vllm:request_generation_tokens_bucket", le="5.0") == 2
+    assert delta("vllm:prefix_cache_queries_total") >= 128
+    assert delta("vllm:prefix_cache_hits_total") >= 48
+    assert metric_value(after, "attnserve:offload_hits_total") == 0
+    families = {f.name: f for f in text_string_to_metric_families(after)}
+    for name, kind in (
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:num_requests_waiting", "gauge"),
+        ("vllm:kv_cache_usage_perc", "gauge"),
+        ("vllm:prompt_tokens", "counter"),
+        ("vllm:generation_tokens", "counter"),
+        ("vllm:request_success", "counter"),
+        ("vllm:prefix_cache_queries", "counter"),
+        ("vllm:prefix_cache_hits", "counter"),
+        ("vllm:num_preemptions", "counter"),
+        ("vllm:time_to_first_token_seconds", "histogram"),
+        ("vllm:inter_token_latency_seconds", "histogram"),
+        ("vllm:e2e_request_latency_seconds", "histogram"),
+        ("attnserve:offload_bytes_stored", "counter"),
+        ("attnserve:offload_transfer_seconds", "counter"),
+        ("attnserve:engine_steps", "counter"),
     ):
-        assert f"\n{name} " in after
-    assert metric_value(after, "attnserve_offload_hits_total") == 0
+        assert families[name].type == kind, name
+        assert all(s.labels["model_name"] == MODEL_NAME for s in families[name].samples), name
+    usage = families["vllm:kv_cache_usage_perc"].samples[0].value
+    assert 0.0 <= usage <= 1.0
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.labels["block_size"] == "16" and info.labels["enable_prefix_caching"] == "True"
+    blocks = server.engine.call(lambda e: e.kv_manager.pool.num_blocks).result(10)
+    assert int(info.labels["num_gpu_blocks"]) == blocks

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from pydantic import ValidationError
 
-from attnserve.entrypoints.openai.metrics import Histogram, ServerMetrics
+from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,16 +34,34 @@ def _error_for(body: dict, model=CompletionRequest) -> OpenAIError:
         ({"model": "m", "prompt": "x", "max_tokens": "16"}, "max_tokens", "Invalid value"),
         ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens", "Invalid value"),
         ({"model": "m", "prompt": ["a", [1]]}, "prompt", "Invalid type"),
-        (
-            {"model": "m", "prompt": "x", "frobnicate": 1},
-            "frobnicate",
-            "Unrecognized request argument",
-        ),
     ],
 )
 def test_validation_errors_name_the_field(body, param, words):
     err = _error_for(body)
     assert err.status == 400 and err.param == param and words in err.message
+
+
+def test_unknown_fields_are_named_and_ignored_unless_they_change_the_result():
+    """What the OpenAI SDKs and vLLM clients send beyond what this server knows is ignored (the
+    server logs the names); a field whose neglect would change the output is refused."""
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "store": True, "metadata": {"k": "v"}, "service_tier": "auto", "priority": 3,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}],
+                      "reasoning_content": "kept for the template"}],
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        "modalities": ["text"], "use_beam_search": False, "reasoning_effort": "low",
+    })
+    assert sorted(req.ignored_fields()) == sorted([
+        "store", "metadata", "service_tier", "priority", "modalities", "use_beam_search",
+        "messages.content.cache_control", "stream_options.continuous_usage_stats"])
+    assert req.messages[0].for_template()["reasoning_content"] == "kept for the template"
+    assert CompletionRequest(model="m", prompt="x").ignored_fields() == []
+    for field, value in (("use_beam_search", True), ("modalities", ["audio"]), ("functions", [{}]),
+                         ("guided_json", {}), ("echo", True)):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+        with pytest.raises(OpenAIError) as info:
+            ChatCompletionRequest.model_validate(body).ignored_fields()
+        assert info.value.param == field and info.value.status == 400
 
 
 def test_chat_message_checks():
@@ -102,7 +121,7 @@ def test_bad_sampling_values_become_400(kw, param):
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
-        ({"logprobs": 50}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -118,6 +137,7 @@ def test_chat_unsupported_parameters():
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ):
         with pytest.raises(OpenAIError) as info:
             ChatCompletionRequest.model_validate({**base, **extra}).check_supported()
@@ -176,39 +196,48 @@ def test_merge_interleaves_and_closes_sources():
     assert sorted(closed) == ["a", "b", "c", "d"]
 
 
-def test_histogram_and_metrics_text():
-    h = Histogram((0.1, 1.0))
-    h.observe(0.05)
-    h.observe(0.5, n=2)
-    h.observe(5.0)
-    lines = h.render("x_seconds", "help")
-    assert 'x_seconds_bucket{le="0.1"} 1' in lines and 'x_seconds_bucket{le="1.0"} 3' in lines
-    assert 'x_seconds_bucket{le="+Inf"} 4' in lines and "x_seconds_count 4" in lines
-    assert "x_seconds_sum 6.05" in lines
+def test_metrics_page_parses_with_vllm_names():
+    from prometheus_client.parser import text_string_to_metric_families
 
-    async def stream():
-        for n in (1, 2, 3):
+    from attnserve.engine.async_engine import EngineStats
+    from attnserve.entrypoints.openai.metrics import token_buckets
+
+    assert token_buckets(60) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
+
+    async def stream(n_last: int):
+        for n in range(1, n_last + 1):
             yield RequestOutput(
-                "r",
-                None,
-                [1, 2, 3, 4],
-                None,
-                [_out("", list(range(n)), "length" if n == 3 else None)],
-                n == 3,
+                "r", None, [1, 2, 3, 4], None,
+                [_out("", list(range(n)), "length" if n == 3 else None)], n == 3,
             )
 
     async def main(m: ServerMetrics):
-        return [o async for o in m.track(stream(), arrival=0.0)]
+        done = [o async for o in m.track(stream(3), arrival=0.0)]
+        async with contextlib.aclosing(m.track(stream(3), arrival=0.0)) as s:  # left after one
+            await s.__anext__()
+        return done
 
-    from attnserve.engine.async_engine import EngineStats
-
-    m = ServerMetrics()
+    m = ServerMetrics("tiny", lambda: EngineStats(num_running=2, kv_cache_usage=0.25, num_preemptions=4),
+                      max_model_len=64, cache_info={"block_size": "16"})
     assert len(asyncio.run(main(m))) == 3
-    text = m.render(EngineStats(num_running=2, kv_cache_usage=0.25))
-    assert "attnserve_prompt_tokens_total 4" in text
-    assert "attnserve_generation_tokens_total 3" in text
-    assert 'attnserve_request_success_total{finished_reason="length"} 1' in text
-    assert "attnserve_time_to_first_token_seconds_count 1" in text
-    assert "attnserve_inter_token_latency_seconds_count 2" in text
-    assert "attnserve_num_requests_running 2" in text
-    assert "attnserve_kv_cache_usage_perc 0.25" in text
+    m.record_error(413)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    label = (("model_name", "tiny"),)
+
+    def value(name: str, *extra: tuple[str, str]) -> float:
+        return samples[(name, tuple(sorted(label + extra)))]
+
+    assert value("vllm:prompt_tokens_total") == 8
+    assert value("vllm:generation_tokens_total") == 4
+    assert value("vllm:request_success_total", ("finished_reason", "length")) == 1
+    assert value("vllm:request_success_total", ("finished_reason", "abort")) == 1
+    assert value("vllm:time_to_first_token_seconds_count") == 2
+    assert value("vllm:inter_token_latency_seconds_count") == 2
+    assert value("vllm:request_generation_tokens_bucket", ("le", "2.0")) == 0
+    assert value("vllm:request_generation_tokens_bucket", ("le", "5.0")) == 1
+    assert value("vllm:num_requests_running") == 2
+    assert value("vllm:kv_cache_usage_perc") == 0.25
+    assert value("vllm:num_preemptions_total") == 4
+    assert value("vllm:cache_config_info", ("block_size", "16")) == 1
+    assert value("attnserve:request_errors_total", ("status", "413")) == 1

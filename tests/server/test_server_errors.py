@@ -74,7 +74,10 @@ COMPLETION_CASES = [  # (body, status, param)
     ({"model": MODEL_NAME, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"model": MODEL_NAME, "prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
-    ({"model": MODEL_NAME, "prompt": "x", "frobnicate": True}, 400, "frobnicate"),
+    # unknown fields are ignored (tests/server/test_vllm_compat.py), but not those whose neglect
+    # would change the result
+    ({"model": MODEL_NAME, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ({"model": MODEL_NAME, "prompt": "x", "prompt_logprobs": 2}, 400, "prompt_logprobs"),
     # values that once failed inside an engine step (killing the engine thread) or came back as
     # 200 / 500: an int64 overflow in the sampler's tensors, NaN sampling floats, a huge seed,
     # logprobs beyond the vocabulary, stop tokens outside it
@@ -142,6 +145,10 @@ CHAT_CASES = [
     ({"model": MODEL_NAME, "messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 'x' * 10**8 }}"}},
      400, "chat_template_kwargs"),
     ({"model": MODEL_NAME, "messages": MSG, "n": 5000}, 400, "n"),
+    ({"model": MODEL_NAME, "messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": MODEL_NAME, "messages": MSG, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ({"model": MODEL_NAME, "messages": MSG, "stream": True,
+      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 400, "stream_options"),
 ]
 
 
@@ -251,14 +258,19 @@ def test_openai_client_sees_typed_errors(server):
         assert info.value.body["code"] == "invalid_api_key"
 
 
-def test_api_key_guards_every_route_but_health(server):
+def test_api_key_guards_every_route_but_the_probes(server):
     base = server.base_url
     assert httpx.get(base + "/health").status_code == 200
+    assert httpx.get(base + "/ping").status_code == 200
+    assert httpx.post(base + "/ping").status_code == 200
     for method, path in (
         ("GET", "/v1/models"),
         ("GET", "/metrics"),
+        ("GET", "/version"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
     ):
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
             resp = httpx.request(method, base + path, headers=headers, json={})
@@ -289,7 +301,8 @@ def slow_steps(server, seconds: float):
 
 def _aborted(server) -> tuple[int, float]:
     text = httpx.get(server.base_url + "/metrics", headers=AUTH).text
-    return server.engine.stats().num_aborted, metric_value(text, "attnserve_request_aborted_total")
+    aborted = metric_value(text, "vllm:request_success_total", finished_reason="abort")
+    return server.engine.stats().num_aborted, aborted
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):

@@ -19,6 +19,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from attnserve.engine.engine import LLMEngine
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats", "ThroughputLogger"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,60 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_aborted: int = 0  # requests aborted while the engine still held them
+    prompt_tokens: int = 0  # prompt tokens of requests that got their first token
+    generation_tokens: int = 0  # tokens sampled
+
+
+class ThroughputLogger:
+    """The periodic throughput line of a serving engine (as vLLM logs it): prompt and generation
+    tokens per second over the last interval, running and waiting requests, KV cache usage,
+    prefix-cache hit rate. A line is due every ``interval`` seconds while there is work, and once
+    more after it stops (the quiet interval); none while idle."""
+
+    def __init__(self, interval: float):
+        if not interval > 0:
+            raise ValueError(f"the throughput log interval must be positive seconds, got {interval}")
+        self.interval = interval
+        self.last = EngineStats()
+        self.last_time: float | None = None
+        self.reported_busy = False  # the last line covered an interval with work
+
+    def _busy(self, stats: EngineStats) -> bool:
+        return bool(stats.num_running or stats.num_waiting or stats.num_steps != self.last.num_steps)
+
+    def rebase(self, stats: EngineStats, now: float) -> None:
+        """Start the interval at ``now`` (after idling: the idle time is no part of a rate)."""
+        self.last, self.last_time = stats, now
+
+    def next_due(self, stats: EngineStats) -> float | None:
+        """When the next line is due (a ``time.monotonic`` time); None: nothing to report."""
+        if self.last_time is None or not (self.reported_busy or self._busy(stats)):
+            return None
+        return self.last_time + self.interval
+
+    def observe(self, stats: EngineStats, now: float) -> str | None:
+        """The line to log at ``now``, if one is due."""
+        if self.last_time is None:
+            self.rebase(stats, now)
+            return None
+        elapsed = now - self.last_time
+        if elapsed < self.interval:
+            return None
+        busy, last = self._busy(stats), self.last
+        line = None
+        if busy or self.reported_busy:
+            queries = stats.prefix_cache_queries - last.prefix_cache_queries
+            hits = stats.prefix_cache_hits - last.prefix_cache_hits
+            line = (f"prompt throughput {(stats.prompt_tokens - last.prompt_tokens) / elapsed:.1f} tokens/s, "
+                    f"generation throughput {(stats.generation_tokens - last.generation_tokens) / elapsed:.1f} "
+                    f"tokens/s, requests running {stats.num_running}, waiting {stats.num_waiting}, "
+                    f"KV cache usage {stats.kv_cache_usage:.1%}, prefix cache hit rate "
+                    f"{hits / queries if queries else 0.0:.1%}")
+            if stats.num_preemptions != last.num_preemptions:
+                line += f", {stats.num_preemptions - last.num_preemptions} preemptions"
+        self.rebase(stats, now)
+        self.reported_busy = busy
+        return line
 
 
 class _Sink:
@@ -106,13 +161,21 @@ _STALL_POLL_S = 0.005  # how long the thread waits for commands when no request 
 class AsyncLLMEngine:
     """An ``LLMEngine`` served by its own thread; ``generate`` is an async iterator of outputs."""
 
-    def __init__(self, engine: LLMEngine, start: bool = True):
+    def __init__(self, engine: LLMEngine, start: bool = True, log_stats_interval: float | None = None):
+        """``log_stats_interval``: log a throughput line every that many seconds while serving
+        (``ThroughputLogger``); None: none."""
         self._engine = engine
         # read-only facts about the model, safe to read from any thread
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.arch.vocab_size
         self.model = engine.config.model.model
+        self.max_logprobs = engine.config.model.max_logprobs
+        cache = engine.config.cache
+        self.cache_info = {"block_size": str(cache.block_size), "num_gpu_blocks": str(engine.kv_manager.pool.num_blocks),
+                           "cache_dtype": engine.parts.plan.kv_cache_dtype,
+                           "enable_prefix_caching": str(cache.enable_prefix_caching)}
+        self._throughput = ThroughputLogger(log_stats_interval) if log_stats_interval is not None else None
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stats = EngineStats()
         self._num_aborted = 0
@@ -124,12 +187,14 @@ class AsyncLLMEngine:
             self.start()
 
     @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
+    def from_kwargs(cls, model: str | None = None, log_stats_interval: float | None = None,
+                    **kwargs: Any) -> AsyncLLMEngine:
         """Build the engine from ``LLM(...)``-style keywords and start its thread."""
         from attnserve.config import EngineConfig
         from attnserve.presets import DEFAULT_MODEL
 
-        return cls(LLMEngine(EngineConfig.from_kwargs(model or DEFAULT_MODEL, **kwargs)))
+        return cls(LLMEngine(EngineConfig.from_kwargs(model or DEFAULT_MODEL, **kwargs)),
+                   log_stats_interval=log_stats_interval)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -219,22 +284,32 @@ class AsyncLLMEngine:
             if device.type == "cuda":  # the current CUDA device is per thread (Triton uses it)
                 torch.cuda.set_device(device)
             stalled = False
+            throughput = self._throughput
+            if throughput is not None:
+                throughput.rebase(self._stats, time.monotonic())
             while True:
-                # idle: sleep until a command comes; stalled (nothing could be scheduled, e.g.
-                # the cache is full of waiting work): poll; otherwise: only take what is queued
+                # idle: sleep until a command comes (or the throughput line is due); stalled
+                # (nothing could be scheduled, e.g. the cache is full of waiting work): poll;
+                # otherwise: only take what is queued
                 busy = engine.has_unfinished_requests()
                 timeout = None if not busy else (_STALL_POLL_S if stalled else 0.0)
+                due = throughput.next_due(self._stats) if throughput is not None else None
+                if timeout is None and due is not None:
+                    timeout = max(due - time.monotonic(), 0.0)
                 if not self._handle_commands(sinks, timeout):
                     break
-                if not engine.has_unfinished_requests():
-                    continue
-                outputs = engine.step()
-                for out in outputs:
-                    sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
-                    if sink is not None:
-                        sink.put(out)
-                stalled = not outputs and not engine.scheduler.running
-                self._publish_stats()
+                if timeout is None and throughput is not None:  # woken from idling
+                    throughput.rebase(self._stats, time.monotonic())
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    for out in outputs:
+                        sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
+                        if sink is not None:
+                            sink.put(out)
+                    stalled = not outputs and not engine.scheduler.running
+                    self._publish_stats()
+                if throughput is not None and (line := throughput.observe(self._stats, time.monotonic())):
+                    logger.info("%s", line)
             error: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine, loudly
             logger.exception("engine thread failed")
@@ -305,6 +380,8 @@ class AsyncLLMEngine:
             num_preemptions=sched.stats.num_preemptions,
             num_steps=sched.stats.steps,
             num_aborted=self._num_aborted,
+            prompt_tokens=engine.num_prompt_tokens,
+            generation_tokens=engine.num_generation_tokens,
         )
 
     def _fail_pending(self, error: BaseException) -> None:

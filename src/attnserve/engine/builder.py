@@ -166,6 +166,10 @@ def build_engine_parts(config: EngineConfig, parallel: ParallelState | None = No
             starts the other ranks itself when ``tensor_parallel_size`` > 1.
     """
     model_dir = resolve_model_dir(config.model.model)
+    if config.model.revision is not None and parallel is None:
+        # a revision picks a hub snapshot; a local directory or shipped preset is what it is
+        logger.warning("revision '%s' is ignored: %s is a local directory, not a hub model id",
+                       config.model.revision, model_dir)
     arch = read_arch(load_hf_config(model_dir), use_mla=not env.mla_disabled())
     if config.model.load_format != "dummy":  # an unsupported checkpoint format fails before any weight is read
         QuantScheme.from_config(arch.quantization_config)
@@ -190,7 +194,7 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     if arch.max_position_embeddings and config.model.max_model_len and max_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                        max_len, arch.max_position_embeddings)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(resolve_model_dir(config.model.tokenizer) if config.model.tokenizer else model_dir)
     groups = list(plan.layout.groups)  # the paged groups; state layers get slots instead
     backend_names = plan.backend_names  # raises when a group has no backend, or needs several
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]

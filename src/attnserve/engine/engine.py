@@ -62,6 +62,13 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_scheduling = self._async_allowed(config.scheduler.async_scheduling)
         self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not read back
+        # cumulative, for throughput figures: prompt tokens of requests that got their first
+        # token (prefix-cache hits included, as vLLM counts them), and tokens sampled
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        if logger.isEnabledFor(logging.INFO):
+            for line in self.startup_summary():
+                logger.info("%s", line)
 
     def _async_allowed(self, wanted: bool | None) -> bool:
         """Async scheduling needs a forward whose outcome depends only on what the device has:
@@ -82,6 +89,43 @@ class LLMEngine:
     @property
     def kv_manager(self):
         return self.parts.kv_manager
+
+    def startup_summary(self) -> list[str]:
+        """What the engine runs with, as ``serve`` and ``generate`` log it at start: the model,
+        dtypes and device, each cache group's backend, the KV blocks and tokens that fit, the
+        batch limits."""
+        parts, cfg, plan = self.parts, self.config, self.parts.plan
+        a = self.arch
+        tp = f", tensor parallel {cfg.parallel.tensor_parallel_size}" if cfg.parallel.tensor_parallel_size > 1 else ""
+        lines = [f"model {cfg.model.model} ({a.model_type}, {a.num_layers} layers, {a.mechanism.value}) on "
+                 f"{parts.device} ({parts.platform.label}), dtype {parts.dtype}, KV cache dtype "
+                 f"{plan.kv_cache_dtype}{tp}"]
+        for g in plan.groups:
+            layers = sorted({e.layer for e in g.group.entries})
+            kinds = "/".join(sorted({plan.layers[i].kind.value for i in layers}))
+            window = f" {g.group.window}" if g.group.window else ""
+            span = (f"layer {layers[0]}" if len(layers) == 1 else "layers " + ", ".join(map(str, layers))
+                    if len(layers) <= 4 else f"layers {layers[0]}..{layers[-1]}")
+            lines.append(f"cache group {g.group.group_id} ({g.group.policy.value}{window}): {len(layers)} {kinds} "
+                         f"layers ({span}): backend {g.backend.name}")
+        kv, block = self.kv_manager, cfg.cache.block_size
+        usable = kv.pool.num_blocks - 1  # block 0 is the null block
+        lo, hi = 0, usable * block  # the longest sequence the pool holds (windows applied)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if kv.num_blocks_for_tokens(mid) <= usable else (lo, mid - 1)
+        per_seq = kv.num_blocks_for_tokens(self.max_model_len)
+        line = (f"KV cache: {usable:,} blocks of {block} tokens; {lo:,} tokens fit; a sequence of max_model_len {self.max_model_len:,} holds {per_seq:,} "
+                f"blocks: {usable / per_seq:.2f}x that length at once")
+        if kv.state_pool is not None:
+            line += f"; {kv.state_pool.num_slots} state slots"
+        lines.append(line)
+        sched = cfg.scheduler
+        lines.append(f"batch: max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens "
+                     f"{sched.max_num_batched_tokens}, chunked prefill {_on(sched.enable_chunked_prefill)}, "
+                     f"prefix caching {_on(cfg.cache.enable_prefix_caching)}, async scheduling "
+                     f"{_on(self.async_scheduling)}, CUDA graphs {_on(self.runner.graphs is not None)}")
+        return lines
 
     # --- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
@@ -140,7 +184,7 @@ class LLMEngine:
         parameters that only this model bounds (``logprobs`` and ``prompt_logprobs`` above the
         vocabulary size, stop token ids outside it). ``SamplingParams`` checked the rest."""
         vocab = self.arch.vocab_size
-        check_params_for_model(params, vocab)
+        check_params_for_model(params, vocab, self.config.model.max_logprobs)
         if not ids:
             raise PromptError("the prompt is empty")
         if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
@@ -271,8 +315,11 @@ class LLMEngine:
                 state.add_prompt_logprobs(entries)
         progressed = self.scheduler.update(sched_out, run_out.sampled)
         touched: dict[str, RequestState] = {}
+        self.num_generation_tokens += len(progressed)
         for req in progressed:
             state, c = self._child_to_state[req.request_id]
+            if req.num_output_tokens == 1 and c.index == 0:  # a request's prompt, once for n > 1
+                self.num_prompt_tokens += req.num_prompt_tokens
             stop = state.add_token(c, run_out.logprobs.get(req.request_id))
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
@@ -291,19 +338,27 @@ class LLMEngine:
         return outputs
 
 
-def check_params_for_model(params: SamplingParams, vocab_size: int) -> None:
+def check_params_for_model(params: SamplingParams, vocab_size: int, max_logprobs: int = -1) -> None:
     """Raises PromptError for sampling parameters this model cannot honour (``SamplingParams``
-    checks what holds for any model): ``logprobs`` or ``prompt_logprobs`` above the vocabulary
-    size, stop token ids outside the vocabulary. The message starts with the field's name."""
+    checks what holds for any model): ``logprobs`` or ``prompt_logprobs`` above the engine's
+    ``max_logprobs`` (-1: no cap) or the vocabulary size, stop token ids outside the vocabulary.
+    The message starts with the field's name."""
     if not isinstance(params, SamplingParams):
         raise PromptError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
+        if value is not None and 0 <= max_logprobs < value:
+            raise PromptError(f"{name} is {value}, above this engine's max_logprobs of {max_logprobs} "
+                              "(the max_logprobs engine option raises it)")
         if value is not None and value > vocab_size:
             raise PromptError(f"{name} is {value}, more than the vocabulary's {vocab_size} tokens")
     outside = [t for t in params.stop_token_ids if t >= vocab_size]
     if outside:
         raise PromptError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def _params_dict(p: SamplingParams) -> dict[str, Any]:

@@ -68,6 +68,8 @@ def _llm(args: argparse.Namespace):
 
 # --- latency ------------------------------------------------------------------------------------
 def bench_latency(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from attnserve.sampling_params import SamplingParams
 
     llm = _llm(args)
@@ -75,12 +77,12 @@ def bench_latency(args: argparse.Namespace) -> int:
     vocab = llm.llm_engine.arch.vocab_size
     prompts = random_prompts([args.input_len] * args.batch_size, vocab, rng)
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
-    for _ in range(args.num_iters_warmup):
-        llm.generate(prompts, params)
+    for _ in tqdm(range(args.num_iters_warmup), desc="Warm-up iterations"):
+        llm.generate(prompts, params, use_tqdm=False)
     latencies = []
-    for _ in range(args.num_iters):
+    for _ in tqdm(range(args.num_iters), desc="Timed iterations"):
         start = time.perf_counter()
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, use_tqdm=False)
         latencies.append(time.perf_counter() - start)
     pcts = {str(p): _percentile(latencies, p) for p in (10, 25, 50, 75, 90, 99)}
     result = {
@@ -110,7 +112,7 @@ def bench_throughput(args: argparse.Namespace) -> int:
         SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for n in out_lens
     ]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     num_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     total = sum(in_lens) + num_out
@@ -191,6 +193,7 @@ async def _drive(args: argparse.Namespace) -> tuple[list[_RequestResult], float]
     import asyncio
 
     import httpx
+    from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base = args.base_url or f"http://{args.host}:{args.port}"
@@ -206,10 +209,13 @@ async def _drive(args: argparse.Namespace) -> tuple[list[_RequestResult], float]
         out_lens = random_lengths(args.num_prompts, args.output_len, args.range_ratio, rng)
         prompts = random_prompts(in_lens, args.vocab_size, rng)
         limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+        bar = tqdm(total=args.num_prompts, desc="Requests", unit="req")
 
         async def run(i: int) -> _RequestResult:
             async with limit:
-                return await _one_request(client, model, prompts[i], out_lens[i])
+                result = await _one_request(client, model, prompts[i], out_lens[i])
+            bar.update(1)
+            return result
 
         start = time.perf_counter()
         tasks = []
@@ -218,7 +224,9 @@ async def _drive(args: argparse.Namespace) -> tuple[list[_RequestResult], float]
             if args.request_rate != math.inf:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        bar.close()
+        return list(results), elapsed
 
 
 def _summary(name: str, values: list[float]) -> dict[str, float]:
@@ -271,9 +279,9 @@ def bench_serve(args: argparse.Namespace) -> int:
 
 # --- command line -------------------------------------------------------------------------------
 def _lengths_args(p: argparse.ArgumentParser, prompts: int) -> None:
-    p.add_argument("--num-prompts", type=int, default=prompts)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=prompts, help="requests to send")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="tokens to generate per request")
     p.add_argument(
         "--range-ratio",
         type=float,
@@ -288,11 +296,11 @@ def add_bench_subparsers(bench: argparse.ArgumentParser) -> None:
 
     sub = bench.add_subparsers(dest="bench_command", required=True)
     lat = sub.add_parser("latency", help="latency of one batch, repeated")
-    lat.add_argument("--batch-size", type=int, default=8)
-    lat.add_argument("--input-len", type=int, default=32)
-    lat.add_argument("--output-len", type=int, default=128)
-    lat.add_argument("--num-iters-warmup", type=int, default=3)
-    lat.add_argument("--num-iters", type=int, default=10)
+    lat.add_argument("--batch-size", type=int, default=8, help="prompts in the batch")
+    lat.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    lat.add_argument("--output-len", type=int, default=128, help="tokens to generate per request")
+    lat.add_argument("--num-iters-warmup", type=int, default=3, help="untimed runs first")
+    lat.add_argument("--num-iters", type=int, default=10, help="timed runs")
     thr = sub.add_parser("throughput", help="offline throughput of random-token requests")
     _lengths_args(thr, 1000)
     for p, func in ((lat, bench_latency), (thr, bench_throughput)):
@@ -302,24 +310,26 @@ def add_bench_subparsers(bench: argparse.ArgumentParser) -> None:
     srv = sub.add_parser("serve", help="drive a running server with streaming clients")
     _lengths_args(srv, 200)
     srv.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1", help="the server's address")
+    srv.add_argument("--port", type=int, default=8000, help="the server's port")
     srv.add_argument("--model", default=None, help="default: the server's first model")
-    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--api-key", default=None, help="the server's API key (default: none)")
     srv.add_argument(
         "--request-rate",
         type=float,
         default=math.inf,
         help="requests per second, Poisson arrivals (default inf: all at once)",
     )
-    srv.add_argument("--max-concurrency", type=int, default=None)
+    srv.add_argument("--max-concurrency", type=int, default=None,
+                     help="the most requests in flight at once (default: no limit)")
     srv.add_argument(
         "--vocab-size", type=int, default=1000, help="prompt token ids are drawn from [0, N)"
     )
-    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--seed", type=int, default=0, help="the seed of prompts, lengths and arrivals")
     srv.set_defaults(bench_func=bench_serve)
     for p in (lat, thr, srv):
-        p.add_argument("--output-json", default=None, metavar="FILE")
+        p.add_argument("--output-json", default=None, metavar="FILE",
+                       help="also write the results to FILE as JSON (default: none)")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -1,19 +1,51 @@
 """The ``attnserve`` command: inspect, generate, serve, bench.
 
 ``attnserve ...`` and ``python -m attnserve ...`` are the same command. Subcommands import
-what they need when they run, so ``inspect`` starts without loading the engine.
+what they need when they run, so ``inspect`` starts without loading the engine. The command
+configures attnserve's log (stderr, ``ATTNSERVE_LOG_LEVEL``, default INFO) before it runs one:
+the engine's start-up summary and the server's throughput lines are INFO records.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
-from attnserve import env
-from attnserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from attnserve import __version__, env
+from attnserve.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 from attnserve.platforms import PLATFORM_NAMES
 
-__all__ = ["main"]
+__all__ = ["build_parser", "configure_logging", "main"]
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (not the one at creation)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def configure_logging() -> None:
+    """attnserve's log on stderr at ``ATTNSERVE_LOG_LEVEL`` (default INFO); idempotent."""
+    level = env.log_level()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"ATTNSERVE_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got '{level}'")
+    log = logging.getLogger("attnserve")
+    log.setLevel(level)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                                               "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
 
 
 def _inspect_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,11 +95,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model directory (default: the shipped demo model)")
     p.add_argument("--prompt", action="append", default=None, help="a prompt; repeat for a batch")
     p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of "
+                                                             "tokens of this total probability")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     add_engine_args(p)
     p.set_defaults(func=_run_generate)
@@ -105,9 +138,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="model directory (default: the shipped demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /ping (default: "
                         "$ATTNSERVE_API_KEY, which other users of the machine cannot read in the "
                         "process list)")
     p.add_argument("--served-model-name", default=None,
@@ -121,7 +154,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the HTTP server's log level (attnserve's own: $ATTNSERVE_LOG_LEVEL)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no throughput lines in the log (default: one every "
+                        "$ATTNSERVE_LOG_STATS_INTERVAL seconds, 10, while serving)")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 
@@ -135,7 +172,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                api_key=args.api_key or env.api_key(), served_model_name=args.served_model_name,
                log_level=args.uvicorn_log_level,
                limits=ServerLimits(args.max_request_body_bytes, args.max_n, args.max_prompts,
-                                   args.trust_request_chat_template))
+                                   args.trust_request_chat_template),
+               log_stats_interval=None if args.disable_log_stats else env.log_stats_interval())
     return 0
 
 
@@ -154,19 +192,32 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnserve", description="attnserve: an attention-first LLM engine")
+    parser = argparse.ArgumentParser(prog="attnserve", description="attnserve: an attention-first LLM engine",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _inspect_parser(sub)
     _generate_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
+    _set_formatter(parser)
     return parser
+
+
+def _set_formatter(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's --help shows the options' defaults."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                _set_formatter(p)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        configure_logging()
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

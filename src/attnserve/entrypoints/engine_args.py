@@ -1,53 +1,114 @@
 """The engine flags of the command line (vLLM's names), shared by generate, serve and bench.
 
 ``add_engine_args`` adds them to a parser; ``engine_kwargs`` turns the parsed ones into the
-``LLM(...)`` / ``EngineConfig.from_kwargs`` keywords, leaving out those not given.
+``LLM(...)`` / ``EngineConfig.from_kwargs`` keywords, leaving out those not given (so the
+config's defaults, which the help texts quote, apply). ``HelpFormatter`` shows every option's
+default in ``--help``.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
-__all__ = ["add_engine_args", "engine_kwargs"]
+from attnserve.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
+
+__all__ = ["HelpFormatter", "add_engine_args", "engine_kwargs"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: ...)" to an option's help unless the help already says its default, or
+    the default is None (those options say in words what not giving them means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _default(config: type, name: str) -> object:
+    return next(f.default for f in fields(config) if f.name == name)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by generate, serve and bench (vLLM's names)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--attention-backend", default=None)
-    g.add_argument("--kv-cache-dtype", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--tokenizer", default=None,
+                   help="the tokenizer's directory when it is not the model's (default: the model's)")
+    g.add_argument("--revision", default=None,
+                   help="the revision (branch, tag or commit) of a Hugging Face hub model id; a local "
+                        "directory has none (default: the hub's default branch)")
+    g.add_argument("--attention-backend", default=None,
+                   help="the attention backend of every layer group, e.g. TRITON_ATTN, TORCH_SDPA, "
+                        "TRITON_MLA (default: the platform's first choice per group, as `attnserve "
+                        "inspect` shows it)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="the KV cache's element type: auto (the model's dtype), fp8, bfloat16, "
+                        "float16 or float32")
+    g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"),
+                   help="tokens per KV cache block (a power of two)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence, prompt and output together (default: the model "
+                        "config's context length)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the most requests in one batch (default: "
+                        f"{_default(SchedulerConfig, 'max_num_seqs')})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the most tokens one step computes; longer prompts are prefilled in chunks "
+                        f"(default: {_default(SchedulerConfig, 'max_num_batched_tokens')})")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="the share of the GPU's memory the engine may use for weights, activations "
+                        f"and KV cache (default: {_default(CacheConfig, 'gpu_memory_utilization')})")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB",
                    help="KV cache size in GiB (CPU; default: a share of free memory)")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB")
-    g.add_argument("--kv-offloading-backend", default=None, choices=["host", "disk"])
-    g.add_argument("--kv-offloading-dir", default=None)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="this many KV cache blocks instead of what memory allows (default: sized "
+                        "from memory)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes already computed")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="auto, safetensors: the checkpoint's weights; dummy: seeded random weights")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the model's dtype (auto: the checkpoint's)")
+    g.add_argument("--max-logprobs", type=int, default=_default(ModelConfig, "max_logprobs"),
+                   help="the most logprobs (and prompt_logprobs) one request may ask for; more is "
+                        "refused; -1: no cap")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+                   help="host memory or disk for KV blocks evicted from the device, in GiB "
+                        "(default: no offloading)")
+    g.add_argument("--kv-offloading-backend", default=None, choices=["host", "disk"],
+                   help="where offloaded KV blocks live (default: "
+                        f"{_default(OffloadConfig, 'kv_offloading_backend')})")
+    g.add_argument("--kv-offloading-dir", default=None,
+                   help="the directory of the disk offload tier (default: none; the disk backend "
+                        "needs one)")
     g.add_argument("--kv-offload-sparse-latents", action="store_true", default=None,
-                   help="sparse MLA (DSA): keep latent rows in host memory, indexer keys on the device")
+                   help="sparse MLA (DSA): keep latent rows in host memory, indexer keys on the "
+                        "device (default: off)")
     g.add_argument("--kv-offload-sparse-latents-size", type=float, default=None, metavar="GiB",
                    help="host memory for those latent rows (default: half of what is available)")
-    g.add_argument("--tensor-parallel-size", type=int, default=None)
-    g.add_argument("--device", default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--streaming-sinks", type=int, default=None)
-    g.add_argument("--streaming-window", type=int, default=None)
-    g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="GPUs to split the model over (default: 1)")
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: this machine's platform)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="the seed of unseeded sampling and of dummy weights")
+    g.add_argument("--streaming-sinks", type=int, default=None,
+                   help="StreamingLLM: keep the first N tokens of every sequence (with "
+                        "--streaming-window; default: off)")
+    g.add_argument("--streaming-window", type=int, default=None,
+                   help="StreamingLLM: and the last W tokens (with --streaming-sinks; default: off)")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA graphs (default: graphs on CUDA)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one (default: on for CUDA "
                         "where the model allows it)")
 
 
-_ENGINE_KEYS = ("attention_backend", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
-                "num_gpu_blocks_override", "enable_prefix_caching", "load_format", "dtype",
+_ENGINE_KEYS = ("tokenizer", "revision", "attention_backend", "kv_cache_dtype", "block_size", "max_model_len",
+                "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
+                "num_gpu_blocks_override", "enable_prefix_caching", "load_format", "dtype", "max_logprobs",
                 "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir",
                 "kv_offload_sparse_latents", "kv_offload_sparse_latents_size", "tensor_parallel_size",
                 "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,10 +59,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         Every prompt is validated before any is queued, so a bad prompt leaves nothing half-done.
+        ``use_tqdm``: a progress bar on stderr (as vLLM's, on by default), or the ``tqdm``-like
+        class to draw it with.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
@@ -81,7 +83,7 @@ class LLM:
         start = time.perf_counter()
         order = [engine.add_tokenized_request(None, text, ids, p) for (text, ids), p in zip(tokenized, params)]
         finals: dict[str, RequestOutput] = {}
-        bar = _progress(len(order)) if use_tqdm else None
+        bar = _progress(len(order), use_tqdm) if use_tqdm else None
         generated = 0
         while engine.has_unfinished_requests():
             for out in engine.step(final_only=True):
@@ -98,7 +100,7 @@ class LLM:
         return [finals[rid] for rid in order]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
+             sampling_params: SamplingParams | None = None, use_tqdm: bool | Callable[..., Any] = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         tok = self.get_tokenizer()
         batch = messages if messages and isinstance(messages[0], list) else [messages]
@@ -107,7 +109,8 @@ class LLM:
                              sampling_params, use_tqdm=use_tqdm)
 
 
-def _progress(total: int):
-    from tqdm import tqdm
+def _progress(total: int, bar: bool | Callable[..., Any]):
+    if not callable(bar):
+        from tqdm import tqdm as bar
 
-    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+    return bar(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, errors, the API key, and ``attnserve serve``.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events),
-``/v1/models``, ``/health``, ``/metrics``. Every error leaves as OpenAI words it,
+``/v1/models``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/version``, ``/metrics``
+(Prometheus), and the probes ``/health`` and ``/ping`` (GET or POST, as vLLM and SageMaker
+have it), the only routes the API key does not guard. Request fields the server does not know
+are ignored with a warning naming them (``protocol.py`` says which are refused instead).
+Every error leaves as OpenAI words it,
 ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status. A client that goes
 away is noticed: a streamed request ends when its stream is cancelled, a whole-response request
 races its generation against the connection's ``http.disconnect``; either way the engine
@@ -27,16 +31,22 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
+from attnserve import __version__
 from attnserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.engine.engine import PromptError
 from attnserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     OpenAIError,
     ServerLimits,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     validation_error,
 )
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -57,8 +67,11 @@ def _error(err: OpenAIError, metrics: ServerMetrics) -> Response:
     return _json(err.to_response(), err.status)
 
 
+_PROBES = ("/health", "/ping")  # answered without the API key: load balancers send none
+
+
 class _ApiKeyMiddleware:
-    """Every route but ``/health`` needs ``Authorization: Bearer KEY`` (a plain ASGI wrapper,
+    """Every route but the probes needs ``Authorization: Bearer KEY`` (a plain ASGI wrapper,
     so streaming and disconnects pass through untouched)."""
 
     def __init__(self, app: Any, api_key: str, metrics: ServerMetrics):
@@ -67,7 +80,7 @@ class _ApiKeyMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in _PROBES:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 err = OpenAIError("Incorrect API key provided.", status=401, code="invalid_api_key")
@@ -92,7 +105,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(request: Request, model: type[M], limits: ServerLimits) -> M:
+async def _json_body(request: Request, limits: ServerLimits) -> dict[str, Any]:
     raw = await _read_body(request, limits.max_request_body_bytes)
     try:  # a large body parses off the event loop
         body = json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
@@ -100,10 +113,24 @@ async def _parse(request: Request, model: type[M], limits: ServerLimits) -> M:
         raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from e
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
+    return body
+
+
+def _validate(request: Request, body: dict[str, Any], model: type[M]) -> M:
+    """The request model of ``body``; fields the server ignores are logged by name."""
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from e
+    ignored = req.ignored_fields()
+    if ignored:
+        logger.warning("%s: ignoring request fields this server does not support: %s",
+                       request.url.path, ", ".join(ignored))
+    return req
+
+
+async def _parse(request: Request, model: type[M], limits: ServerLimits) -> M:
+    return _validate(request, await _json_body(request, limits), model)
 
 
 async def _disconnected(request: Request) -> None:
@@ -178,7 +205,7 @@ def build_app(
         limits: body size, ``n``, prompts per request, request-sent chat templates.
     """
     limits = limits or ServerLimits()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(served_model_name, engine.stats, engine.max_model_len, engine.cache_info)
     completion = OpenAIServingCompletion(engine, served_model_name, metrics, limits)
     chat = OpenAIServingChat(engine, served_model_name, metrics, limits)
 
@@ -200,9 +227,17 @@ def build_app(
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return Response(json.dumps({"version": __version__}), media_type="application/json")
+
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return Response(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -223,6 +258,36 @@ def build_app(
         _check_model(req.model, served_model_name)
         return await _respond(request, chat.create(req))
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _json_body(request, limits)
+        req = _validate(request, body, TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest)
+        if req.model is not None:
+            _check_model(req.model, served_model_name)
+        tok = engine.tokenizer
+        if isinstance(req, TokenizeChatRequest):
+            ids = await asyncio.to_thread(chat.prompt_ids, req)
+        elif tok is None:
+            raise OpenAIError("this model has no tokenizer", param="prompt")
+        else:
+            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return _json(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                      token_strs=strs))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await _parse(request, DetokenizeRequest, limits)
+        if req.model is not None:
+            _check_model(req.model, served_model_name)
+        bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise OpenAIError(f"token ids out of range [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
+        if engine.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer", param="tokens")
+        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens, False)
+        return _json(DetokenizeResponse(prompt=text))
+
     return app
 
 
@@ -235,10 +300,12 @@ def run_server(
     served_model_name: str | None = None,
     log_level: str = "info",
     limits: ServerLimits | None = None,
+    log_stats_interval: float | None = None,
 ) -> None:
-    """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``)."""
+    """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``);
+    ``log_stats_interval``: seconds between throughput lines in the log (None: none)."""
     import uvicorn
 
-    engine = AsyncLLMEngine.from_kwargs(model, **engine_kwargs)
+    engine = AsyncLLMEngine.from_kwargs(model, log_stats_interval=log_stats_interval, **engine_kwargs)
     app = build_app(engine, served_model_name or model, api_key, limits)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,177 +1,196 @@
-"""Server metrics in the Prometheus text format (``GET /metrics``).
+"""Server metrics through ``prometheus_client`` (``GET /metrics``), with vLLM's names.
 
 Request-level figures are measured where the client sees them, on the server's event loop:
 ``ServerMetrics.track`` wraps a request's output stream and records time to first token,
-inter-token latency, end-to-end latency, prompt and generation tokens, and how the request
-ended. Engine-level figures (running and waiting requests, KV cache usage, prefix-cache and
-offload hits, preemptions) come from the engine thread's latest ``EngineStats`` snapshot.
+inter-token latency, time per output token, end-to-end latency, prompt and generation tokens,
+and how the request ended. Engine-level figures (running and waiting requests, KV cache usage,
+prefix-cache and offload hits, preemptions) are read from the engine thread's latest
+``EngineStats`` snapshot when the page is scraped (``_EngineCollector``).
 
-Everything here runs on the event loop thread, so plain counters suffice. Not here: a general
-metrics library (no registry, no labels beyond the few used below).
+Names are vLLM's (``vllm:...``, every sample labelled ``model_name``) where the meaning is the
+same, so its dashboards work unchanged; figures vLLM has no name for are ``attnserve:...``
+(offload tier traffic, engine steps, requests refused by HTTP status). A request that ends
+without finishing (the client left, it was cancelled) counts as
+``vllm:request_success_total{finished_reason="abort"}``, as in vLLM.
+
+Each app has a registry of its own (several servers may live in one process, as in the tests).
+Not here: computing the engine's figures (``engine/async_engine.py``).
 """
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
 from attnserve.engine.async_engine import EngineStats
 from attnserve.outputs import RequestOutput
 
-__all__ = ["CONTENT_TYPE", "Histogram", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE", "ServerMetrics", "token_buckets"]
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_PREFIX = "attnserve_"
-_LATENCY_BUCKETS = tuple(
-    float(x)
-    for x in "0.001 0.0025 0.005 0.01 0.025 0.05 0.075 0.1 0.25 0.5 0.75 1 2.5 5 7.5 "
-    "10 20 40 80".split()
-)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# vLLM's buckets for time to first token, and for the per-token latencies
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                          5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class Histogram:
-    """Cumulative-bucket histogram as Prometheus exposes it."""
-
-    def __init__(self, buckets: tuple[float, ...] = _LATENCY_BUCKETS):
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, n: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += n
-        self.sum += value * n
-        self.count += n
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        total = 0
-        for le, c in zip((*map(repr, self.buckets), "+Inf"), self.counts):
-            total += c
-            lines.append(f'{name}_bucket{{le="{le}"}} {total}')
-        lines += [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
-        return lines
+def token_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (the buckets of token-count histograms)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.finished = Counter()  # by finish reason
-        self.unfinished = 0
-        self.errors = Counter()  # by HTTP status
-        self.ttft = Histogram()
-        self.itl = Histogram()
-        self.e2e = Histogram()
+    """The server's Prometheus registry: request histograms and counters, and the engine's
+    figures read at scrape time.
+
+    Args:
+        model_name: the ``model_name`` label of every sample (the served model name).
+        engine_stats: returns the engine's latest snapshot (None: no engine figures).
+        max_model_len: the top of the token-count histograms' buckets.
+        cache_info: labels of ``vllm:cache_config_info`` (block size, blocks, cache dtype, ...).
+    """
+
+    def __init__(self, model_name: str = "", engine_stats: Callable[[], EngineStats] | None = None,
+                 max_model_len: int = 1 << 20, cache_info: dict[str, str] | None = None):
+        self.registry = reg = CollectorRegistry()
+        self.model_name = model_name
+        m = ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m,
+                                     registry=reg).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         m, registry=reg).labels(model_name)
+        self.request_success = Counter("vllm:request_success", "Count of processed requests, by finish reason "
+                                       "('abort': ended before finishing).", [*m, "finished_reason"],
+                                       registry=reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              m, registry=reg, buckets=_TTFT_BUCKETS).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             m, registry=reg, buckets=_TOKEN_LATENCY_BUCKETS).labels(model_name)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", m, registry=reg,
+                              buckets=_TOKEN_LATENCY_BUCKETS).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             m, registry=reg, buckets=_REQUEST_LATENCY_BUCKETS).labels(model_name)
+        buckets = token_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               m, registry=reg, buckets=buckets).labels(model_name)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", m, registry=reg,
+                                                   buckets=buckets).labels(model_name)
+        self.errors = Counter("attnserve:request_errors", "Requests answered with an error, by HTTP status.",
+                              [*m, "status"], registry=reg)
+        if engine_stats is not None:
+            reg.register(_EngineCollector(engine_stats, model_name, cache_info or {}))
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=reg)
 
     def record_error(self, status: int) -> None:
-        self.errors[status] += 1
+        self.errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        """The page in the Prometheus text format."""
+        return generate_latest(self.registry)
 
     async def track(
         self, stream: AsyncIterator[RequestOutput], arrival: float
     ) -> AsyncIterator[RequestOutput]:
         """Pass ``stream`` through, recording its timings; ``arrival`` is a perf_counter time."""
-        seen, last, finished = 0, arrival, False
+        seen, first, last, finished = 0, arrival, arrival, False
         try:
             async with aclosing(stream):
                 async for out in stream:
                     now = time.perf_counter()
                     num = sum(len(c.token_ids) for c in out.outputs)
                     if num > seen:
+                        # a late consumer sees several tokens at once: they share the gap since
+                        # the last it saw (those that came with the first token, none)
                         if seen == 0:
                             self.ttft.observe(now - arrival)
-                            self.prompt_tokens += len(out.prompt_token_ids)
-                        else:  # a late consumer sees several tokens at once: share the gap
-                            self.itl.observe((now - last) / (num - seen), num - seen)
-                        self.generation_tokens += num - seen
+                            self.prompt_tokens.inc(len(out.prompt_token_ids))
+                            self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+                            first, gap, gaps = now, 0.0, num - 1
+                        else:
+                            gap, gaps = (now - last) / (num - seen), num - seen
+                        for _ in range(gaps):
+                            self.itl.observe(gap)
+                        self.generation_tokens.inc(num - seen)
                         seen, last = num, now
                     if out.finished:
                         finished = True
-                        self.finished[out.outputs[0].finish_reason or "stop"] += 1
+                        reason = out.outputs[0].finish_reason or "stop"
+                        self.request_success.labels(self.model_name, reason).inc()
                         self.e2e.observe(now - arrival)
+                        self.request_generation_tokens.observe(num)
+                        if num > 1:
+                            self.tpot.observe((now - first) / (num - 1))
                     yield out
         finally:
             if not finished:
-                self.unfinished += 1
-
-    def render(self, stats: EngineStats) -> str:
-        """The Prometheus text page: engine gauges and counters, then the server's own."""
-        lines: list[str] = []
-        for name, kind, help_text, field in _ENGINE_METRICS:
-            lines += _header(name, kind, help_text) + [f"{_PREFIX}{name} {getattr(stats, field)}"]
-        for name, help_text, value in (
-            ("prompt_tokens_total", "Prompt tokens of requests that started.", self.prompt_tokens),
-            ("generation_tokens_total", "Generated tokens delivered.", self.generation_tokens),
-            (
-                "request_aborted_total",
-                "Requests that ended before finishing (client gone, cancelled, failed).",
-                self.unfinished,
-            ),
-        ):
-            lines += _header(name, "counter", help_text) + [f"{_PREFIX}{name} {value}"]
-        for name, help_text, label, values in (
-            (
-                "request_success_total",
-                "Requests that finished, by finish reason.",
-                "finished_reason",
-                self.finished,
-            ),
-            (
-                "request_errors_total",
-                "Requests refused with an error, by HTTP status.",
-                "status",
-                self.errors,
-            ),
-        ):
-            lines += _header(name, "counter", help_text)
-            lines += [f'{_PREFIX}{name}{{{label}="{k}"}} {v}' for k, v in sorted(values.items())]
-        for hist, name, help_text in (
-            (self.ttft, "time_to_first_token_seconds", "Time from arrival to the first token."),
-            (self.itl, "inter_token_latency_seconds", "Time between successive tokens."),
-            (self.e2e, "e2e_request_latency_seconds", "Time from arrival to the last token."),
-        ):
-            lines += hist.render(_PREFIX + name, help_text)
-        return "\n".join(lines) + "\n"
+                self.request_success.labels(self.model_name, "abort").inc()
 
 
-_ENGINE_METRICS = (  # (name, type, help, EngineStats field)
-    ("num_requests_running", "gauge", "Requests in the running batch.", "num_running"),
-    ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", "num_waiting"),
-    (
-        "kv_cache_usage_perc",
-        "gauge",
-        "Fraction of KV cache blocks in use (0 to 1).",
-        "kv_cache_usage",
-    ),
-    (
-        "prefix_cache_queries_total",
-        "counter",
-        "Prompt tokens looked up in the prefix cache.",
-        "prefix_cache_queries",
-    ),
-    (
-        "prefix_cache_hits_total",
-        "counter",
-        "Prompt tokens found in the prefix cache.",
-        "prefix_cache_hits",
-    ),
-    (
-        "offload_hits_total",
-        "counter",
-        "Tokens loaded back from the KV offload tier.",
-        "offload_hits",
-    ),
-    ("offload_bytes_stored_total", "counter", "Bytes copied to the KV offload tier.", "offload_bytes_stored"),
-    ("offload_bytes_loaded_total", "counter", "Bytes copied back from the KV offload tier.", "offload_bytes_loaded"),
-    ("offload_transfer_seconds_total", "counter", "Time spent copying to and from the offload tier.",
-     "offload_seconds"),
-    ("num_preemptions_total", "counter", "Requests preempted by recompute.", "num_preemptions"),
-    ("engine_steps_total", "counter", "Engine steps run.", "num_steps"),
-)
+class _EngineCollector:
+    """The engine's figures, read from its latest ``EngineStats`` at each scrape."""
 
+    # (name, kind, help, EngineStats field); counters get "_total" on the page
+    _FIGURES = (
+        ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "num_running"),
+        ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "num_waiting"),
+        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+        ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+         "prefix_cache_queries"),
+        ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+         "prefix_cache_hits"),
+        ("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.",
+         "num_preemptions"),
+        ("attnserve:offload_hits", "counter", "Prompt tokens loaded back from the KV offload tier.",
+         "offload_hits"),
+        ("attnserve:offload_bytes_stored", "counter", "Bytes copied to the KV offload tier.",
+         "offload_bytes_stored"),
+        ("attnserve:offload_bytes_loaded", "counter", "Bytes copied back from the KV offload tier.",
+         "offload_bytes_loaded"),
+        ("attnserve:offload_transfer_seconds", "counter", "Time spent copying to and from the offload tier.",
+         "offload_seconds"),
+        ("attnserve:engine_steps", "counter", "Engine steps run.", "num_steps"),
+    )
 
-def _header(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP {_PREFIX}{name} {help_text}", f"# TYPE {_PREFIX}{name} {kind}"]
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, cache_info: dict[str, str]):
+        self.stats = stats
+        self.model_name = model_name
+        self.cache_info = cache_info
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        for name, kind, help_text, field in self._FIGURES:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], float(getattr(stats, field)))
+            yield family
+        if self.cache_info:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
+                                     labels=["model_name", *self.cache_info])
+            info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
+            yield info

@@ -1,10 +1,12 @@
 """The OpenAI wire format: pydantic request and response models, errors, server-sent events.
 
-Requests are parsed strictly (no string-to-number coercion) and unknown fields are refused, so
-a typo comes back as a 400 that names the field instead of being silently ignored. Parameters
-that OpenAI defines but this server does not implement parse, and ``check_supported`` refuses
-them by name. ``to_sampling_params`` turns a request into ``SamplingParams``; its validation
-messages become 400 errors.
+Requests are parsed strictly (no string-to-number coercion). Fields this server does not know
+are ignored, as vLLM ignores them: ``ignored_fields`` names them for the server's warning (the
+OpenAI SDKs send ``store``, ``metadata``, ``service_tier``, ... which change nothing here). A
+field that would change the result if it were ignored is refused by name instead, when it
+carries other than its default (``_REFUSED_UNLESS``), as are parameters that OpenAI defines and
+this server does not implement (``check_supported``). ``to_sampling_params`` turns a request
+into ``SamplingParams``; its validation messages become 400 errors.
 
 Not here: tokenising, talking to the engine, building responses from engine outputs
 (``serving_completion.py``, ``serving_chat.py``).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,20 +29,24 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "ErrorInfo",
     "ErrorResponse",
     "OpenAIError",
     "StreamOptions",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "TokenizeResponse",
     "UsageInfo",
     "ServerLimits",
     "check_context",
     "check_for_model",
+    "check_logprobs",
     "random_id",
     "sse",
     "validation_error",
 ]
-
-MAX_LOGPROBS = 20
 
 
 class OpenAIError(Exception):
@@ -83,8 +90,6 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     err = errors[0]
     loc = [str(x) for x in err["loc"]]
     param = loc[0] if loc else None
-    if err["type"] == "extra_forbidden":
-        return OpenAIError(f"Unrecognized request argument supplied: {'.'.join(loc)}", param=param)
     if err["type"] == "missing":
         return OpenAIError(f"Missing required parameter: '{'.'.join(loc)}'", param=param)
     if sum(1 for e in errors if e["loc"][:1] == err["loc"][:1]) > 1:  # no member of a union fit
@@ -107,8 +112,70 @@ def sse(payload: BaseModel | str) -> str:
 
 
 # --- requests -------------------------------------------------------------------------------
+# Fields this server does not implement whose neglect would change what comes back, with the
+# values that are safe to ignore (their defaults): another value is a 400 naming the field.
+# Any other field it does not know (``store``, ``metadata``, ``service_tier``, ``user``-like
+# bookkeeping, vLLM's ``priority``, ``request_id``, ``cache_salt``...) is ignored with a warning.
+# A name here that a later version implements as a field is no longer extra, so never refused.
+_REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "use_beam_search": (False,),
+    "echo": (False,),  # in chat (vLLM's extension); the completions endpoint implements it
+    "prompt_logprobs": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "spaces_between_special_tokens": (True,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "continue_final_message": (False,),
+    "documents": (None,),
+    "chat_template": (None,),
+    "stream_options.continuous_usage_stats": (None, False),
+}
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """Strictly typed; fields it does not declare are kept aside (``model_extra``) so that
+    ``ignored_fields`` can name them, and are otherwise ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of the request (nested ones dotted) that this server ignores.
+
+        Raises:
+            OpenAIError: a field of ``_REFUSED_UNLESS`` carries other than its default.
+        """
+        ignored = []
+        for path, value in _extras(self, ""):
+            if path in _REFUSED_UNLESS and value not in _REFUSED_UNLESS[path]:
+                raise OpenAIError(f"{path} is not supported by this server", param=path.split(".")[0],
+                                  code="unsupported_parameter")
+            ignored.append(path)
+        return ignored
+
+
+def _extras(model: BaseModel, prefix: str) -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) of every undeclared field of the ``_Strict`` models in ``model``
+    (messages' own extra fields are not among them: they reach the chat template)."""
+    if isinstance(model, _Strict):
+        for name, value in (model.model_extra or {}).items():
+            yield prefix + name, value
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                yield from _extras(item, f"{prefix}{name}.")
 
 
 class StreamOptions(_Strict):
@@ -187,6 +254,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's bos/eos around a text prompt
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -194,8 +262,8 @@ class CompletionRequest(_SamplingFields):
             raise OpenAIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError("best_of other than n is not supported", param="best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise OpenAIError(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise OpenAIError("logprobs must be at least 0", param="logprobs")
         if isinstance(self.prompt, list) and not self.prompt:
             raise OpenAIError("prompt must not be an empty list", param="prompt")
 
@@ -243,6 +311,10 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # reaches the chat template as the variable ``reasoning_effort`` (as vLLM passes it);
+    # templates that do not read it ignore it
+    reasoning_effort: str | None = None
+    add_special_tokens: bool = False  # vLLM's: the template writes the special tokens
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -253,10 +325,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise OpenAIError(
-                    f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
-                )
+            if self.top_logprobs < 0:
+                raise OpenAIError("top_logprobs must be at least 0", param="top_logprobs")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -294,11 +364,20 @@ class ServerLimits:
                               param="prompt")
 
 
-def check_for_model(params: SamplingParams, vocab_size: int) -> SamplingParams:
+def check_logprobs(value: int | None, max_logprobs: int, param: str) -> None:
+    """A 400 naming ``param`` when it asks for more logprobs than the engine's ``max_logprobs``
+    (-1: no cap)."""
+    if value is not None and 0 <= max_logprobs < value:
+        raise OpenAIError(f"{param} is {value}, above this server's limit of {max_logprobs} (max_logprobs; "
+                          "start the server with a larger --max-logprobs to allow more)", param=param)
+
+
+def check_for_model(params: SamplingParams, vocab_size: int, max_logprobs: int = -1) -> SamplingParams:
     """``params``, or a 400 naming the field when this model cannot honour them (``logprobs``
-    beyond the vocabulary, stop token ids outside it): checked before anything is submitted."""
+    beyond ``max_logprobs`` or the vocabulary, stop token ids outside it): checked before
+    anything is submitted."""
     try:
-        check_params_for_model(params, vocab_size)
+        check_params_for_model(params, vocab_size, max_logprobs)
     except PromptError as e:
         raise OpenAIError(str(e), param=str(e).split()[0]) from e
     return params
@@ -435,3 +514,35 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- /tokenize, /detokenize (vLLM's shapes) -----------------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """Messages rendered exactly as ``/v1/chat/completions`` renders them (sampling fields are
+    accepted and unused)."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -33,6 +33,7 @@ from attnserve.entrypoints.openai.protocol import (
     UsageInfo,
     check_context,
     check_for_model,
+    check_logprobs,
     random_id,
     sse,
 )
@@ -60,13 +61,16 @@ class OpenAIServingChat:
         """
         arrival = time.perf_counter()
         req.check_supported()
+        check_logprobs(req.top_logprobs, self.engine.max_logprobs, "top_logprobs")
         self.limits.check(req.n)
         # rendering and tokenising are the client's work: off the event loop
         ids = await asyncio.to_thread(self._prompt_ids, req)
         max_tokens = check_context(
             len(ids), req.requested_max_tokens, self.engine.max_model_len, prompt_param="messages"
         )
-        params = check_for_model(req.to_sampling_params(max_tokens), self.engine.vocab_size)
+        params = check_for_model(
+            req.to_sampling_params(max_tokens), self.engine.vocab_size, self.engine.max_logprobs
+        )
         rid = random_id("chatcmpl")
         stream = self.metrics.track(
             self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival
@@ -93,6 +97,11 @@ class OpenAIServingChat:
             id=rid, model=self.model_name, choices=choices, usage=_usage(final)
         )
 
+    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt token ids, rendered and checked as for a chat request
+        (``/tokenize`` of messages, so that its count is the chat's ``usage.prompt_tokens``)."""
+        return self._prompt_ids(req)
+
     def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not tok.has_chat_template:
@@ -100,6 +109,8 @@ class OpenAIServingChat:
                 "this model has no chat template; use /v1/completions", param="messages"
             )
         kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         if "chat_template" in kwargs and not self.limits.trust_request_chat_template:
             raise OpenAIError(
                 "chat templates sent in a request are not rendered by this server (start it with "
@@ -116,7 +127,7 @@ class OpenAIServingChat:
             )
         except (ValueError, TypeError, TemplateError) as e:
             raise OpenAIError(f"the chat template failed: {e}", param="messages") from e
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
         if not ids:
             raise OpenAIError("the rendered conversation is empty", param="messages")
         return ids

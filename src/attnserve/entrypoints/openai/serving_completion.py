@@ -32,6 +32,7 @@ from attnserve.entrypoints.openai.protocol import (
     UsageInfo,
     check_context,
     check_for_model,
+    check_logprobs,
     random_id,
     sse,
 )
@@ -122,16 +123,20 @@ class OpenAIServingCompletion:
         """
         arrival = time.perf_counter()
         req.check_supported()
+        check_logprobs(req.logprobs, self.engine.max_logprobs, "logprobs")
         texts = req.prompts()
         self.limits.check(req.n, len(texts))
         # tokenising is the client's work: off the event loop, which serves every other client
-        prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p) for p in texts])
+        prompts = await asyncio.to_thread(
+            lambda: [self._prompt_ids(p, req.add_special_tokens) for p in texts]
+        )
         params = [
             check_for_model(
                 req.to_sampling_params(
                     check_context(len(ids), req.max_tokens, self.engine.max_model_len)
                 ),
                 self.engine.vocab_size,
+                self.engine.max_logprobs,
             )
             for _, ids in prompts
         ]
@@ -161,13 +166,15 @@ class OpenAIServingCompletion:
             id=rid, model=self.model_name, choices=choices, usage=_usage(finals)
         )
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+    def _prompt_ids(
+        self, prompt: str | list[int], add_special_tokens: bool = True
+    ) -> tuple[str, list[int]]:
         """(prompt text, token ids), checked as the engine would check them."""
         tok = self.engine.tokenizer
         if isinstance(prompt, str):
             if tok is None:
                 raise OpenAIError("this model has no tokenizer: send token ids", param="prompt")
-            ids = tok.encode(prompt)
+            ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
             text = prompt
         else:
             ids = list(prompt)
