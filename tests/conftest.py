@@ -10,6 +10,9 @@ transformers runs qwen3_next's and kimi_linear's delta rules through fla's Trito
 whenever it can import ``fla`` (their autotuners do not run on CPU), and fla registers its own
 ``mamba``/``mamba2``/``bitnet`` configs with transformers. ``sys.modules["fla"] = None`` makes
 every ``import fla`` here fail, so transformers keeps its PyTorch reference paths.
+
+``HF_HUB_OFFLINE=1``: a Hugging Face model id is resolved from a local cache only, so that no
+test can download anything.
 """
 
 from __future__ import annotations
@@ -21,4 +24,5 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # hub model ids resolve from the cache only: nothing downloads
 sys.modules.setdefault("fla", None)

@@ -113,6 +113,7 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.arch.vocab_size
         self.model = engine.config.model.model
+        self.generation_config = engine.generation_config  # the model's sampling defaults
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stats = EngineStats()
         self._num_aborted = 0

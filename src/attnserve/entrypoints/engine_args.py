@@ -37,6 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=None)
     g.add_argument("--device", default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--revision", default=None,
+                   help="a Hugging Face model id's branch, tag or commit (default: the default branch)")
+    g.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="the model's generation_config.json: 'auto' applies its EOS ids and default "
+                        "sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+                        "where a request sets none; 'vllm' ignores it; or a directory holding one "
+                        "(default: auto)")
     g.add_argument("--streaming-sinks", type=int, default=None)
     g.add_argument("--streaming-window", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
@@ -51,7 +58,7 @@ _ENGINE_KEYS = ("attention_backend", "kv_cache_dtype", "block_size", "max_model_
                 "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir",
                 "kv_offload_sparse_latents", "kv_offload_sparse_latents_size", "tensor_parallel_size",
                 "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager",
-                "async_scheduling")
+                "async_scheduling", "revision", "generation_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -168,6 +168,7 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running (or startable) engine; its lifespan stops the engine.
 
@@ -176,11 +177,12 @@ def build_app(
         served_model_name: the only model name requests may ask for.
         api_key: when given, every route but ``/health`` requires it as a bearer token.
         limits: body size, ``n``, prompts per request, request-sent chat templates.
+        chat_template: a template's source, used instead of the model's own (``--chat-template``).
     """
     limits = limits or ServerLimits()
     metrics = ServerMetrics()
     completion = OpenAIServingCompletion(engine, served_model_name, metrics, limits)
-    chat = OpenAIServingChat(engine, served_model_name, metrics, limits)
+    chat = OpenAIServingChat(engine, served_model_name, metrics, limits, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -235,10 +237,16 @@ def run_server(
     served_model_name: str | None = None,
     log_level: str = "info",
     limits: ServerLimits | None = None,
+    chat_template: str | None = None,
 ) -> None:
-    """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``)."""
+    """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``).
+
+    ``chat_template``: a template, or the path of a file holding one (``--chat-template``)."""
     import uvicorn
 
+    from attnserve.tokenizer import load_chat_template
+
+    template = load_chat_template(chat_template)  # a bad path fails before the model loads
     engine = AsyncLLMEngine.from_kwargs(model, **engine_kwargs)
-    app = build_app(engine, served_model_name or model, api_key, limits)
+    app = build_app(engine, served_model_name or model, api_key, limits, template)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -242,6 +242,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # vLLM's: rendered only by a server that trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:

@@ -126,10 +126,14 @@ class OpenAIServingCompletion:
         self.limits.check(req.n, len(texts))
         # tokenising is the client's work: off the event loop, which serves every other client
         prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p) for p in texts])
+        defaults = self.engine.generation_config  # the model's, for the fields the request leaves out
         params = [
             check_for_model(
-                req.to_sampling_params(
-                    check_context(len(ids), req.max_tokens, self.engine.max_model_len)
+                defaults.apply(
+                    req.to_sampling_params(
+                        check_context(len(ids), req.max_tokens, self.engine.max_model_len)
+                    ),
+                    req.model_fields_set,
                 ),
                 self.engine.vocab_size,
             )
