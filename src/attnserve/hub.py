@@ -84,21 +84,30 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, *, weights: boo
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
     except LocalEntryNotFoundError:
         path = None
-    if path is not None and (path / "config.json").is_file():
+    if path is not None and _complete(path, weights):
         logger.info("model %s: %s (from the Hugging Face cache)", _describe(repo_id, revision), path)
         return path
     if env.hf_hub_offline():
-        raise _offline_error(repo_id, revision, cache, "its snapshot (with a config.json)")
+        # a snapshot may hold only some files (``inspect`` fetches config.json alone)
+        what = "its snapshot (with a config.json)" if path is None or not (path / "config.json").is_file() \
+            else f"the safetensors weights of its cached snapshot {path}"
+        raise _offline_error(repo_id, revision, cache, what)
     logger.warning("model %s: downloading into %s", _describe(repo_id, revision), cache)
     try:
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
                                       allow_patterns=_CONFIG_FILES + (_WEIGHT_FILES if weights else [])))
     except Exception as exc:  # noqa: BLE001 - network, auth, missing repo or revision: one clear error
         raise _download_error(repo_id, revision, cache, exc) from exc
-    if not (path / "config.json").is_file():
+    if not _complete(path, weights):
         raise FileNotFoundError(f"model {_describe(repo_id, revision)}: the snapshot {path} has no "
-                                f"config.json (not a transformers model repository?)")
+                                "config.json" + (" or no *.safetensors weights" if weights else "")
+                                + " (not a transformers model repository in safetensors?)")
     return path
+
+
+def _complete(path: Path, weights: bool) -> bool:
+    """A snapshot the engine can load: a config.json, and safetensors weights when asked."""
+    return (path / "config.json").is_file() and (not weights or any(path.glob("*.safetensors")))
 
 
 def resolve_hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:

@@ -187,3 +187,11 @@ def test_memory_sizes_parse():
     for bad in ("lots", "-1", "0GiB"):
         with pytest.raises(ValueError):
             parse_gib(bad)
+
+
+def test_device_memory_of_a_family_attnserve_does_not_build(tmp_path, capsys):
+    cfg = {"model_type": "qwen2_moe", "vocab_size": 100, "num_hidden_layers": 2, "hidden_size": 64,
+           "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = run_json(capsys, str(tmp_path), "--platform", "cpu", "--device-memory", "24")
+    assert "device" not in out and any("cannot be counted" in n for n in out["notes"])

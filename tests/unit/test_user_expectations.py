@@ -171,6 +171,18 @@ def test_hub_id_not_cached_while_offline_is_a_clear_error(offline_cache, capsys)
         assert part in str(err.value)
     assert main(["generate", "--model", "org/missing", "--prompt", "x"]) == 2
     assert "org/missing" in capsys.readouterr().err
+
+
+def test_hub_snapshot_without_weights(tiny, offline_cache):
+    """A cached snapshot with only config.json (what ``inspect`` fetches): enough for dummy
+    weights; otherwise the error says the weights are missing (online they are downloaded)."""
+    skip = tuple(f.name for f in tiny.iterdir() if f.name != "config.json")
+    snapshot = hub_cache(offline_cache, "org/config-only", tiny)
+    for name in skip:
+        (snapshot / name).unlink()
+    assert LLM("org/config-only", load_format="dummy", **KW).llm_engine.parts.model_dir == snapshot
+    with pytest.raises(FileNotFoundError, match="safetensors weights of its cached snapshot"):
+        LLM("org/config-only", **KW)
     with pytest.raises(FileNotFoundError, match="neither a directory"):
         LLM("./no/such/dir", **KW)
 

@@ -383,26 +383,32 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
         max_model_len=max_model_len or None, block_size=block_size, tensor_parallel_size=tensor_parallel_size)
     plan = plan_engine(arch, config, platform)
     plan.check_forced()
+    notes = _notes(arch, use_mla)
     return InspectReport(
         name=model if hub else path.stem.replace("__", "/") if path.name != "config.json" else str(path.parent),
         arch=arch, platform=platform, dtype=plan.dtype, kv_cache_dtype=plan.kv_cache_dtype,
         block_size=plan.block_size, max_model_len=plan.max_model_len, rows=_rows(plan),
         kv_bytes_per_token=plan.kv_bytes_per_token, state_bytes_per_sequence=plan.state_bytes_per_sequence,
         bytes_per_sequence=plan.bytes_per_sequence, bytes_per_sequence_no_window=plan.bytes_per_sequence_no_window,
-        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=_notes(arch, use_mla),
+        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes,
         tensor_parallel_size=plan.tensor_parallel_size,
         host_latent_bytes_per_token=plan.host_latent_bytes_per_token,
-        device=_device_fit(arch, plan, device_memory_gib, gpu_memory_utilization))
+        device=_device_fit(arch, plan, device_memory_gib, gpu_memory_utilization, notes))
 
 
-def _device_fit(arch: ModelArch, plan: EnginePlan, memory_gib: float | None,
-                utilization: float) -> DeviceFit | None:
+def _device_fit(arch: ModelArch, plan: EnginePlan, memory_gib: float | None, utilization: float,
+                notes: list[str]) -> DeviceFit | None:
+    """The whole-device answer; None (with a note) when the weights cannot be counted."""
     if memory_gib is None:
         return None
     from attnserve.entrypoints.weight_footprint import weight_footprint  # builds on the meta device
 
-    return DeviceFit(int(memory_gib * GIB), utilization,
-                     weight_footprint(arch, plan.dtype, plan.tensor_parallel_size))
+    try:
+        weights = weight_footprint(arch, plan.dtype, plan.tensor_parallel_size)
+    except ValueError as e:  # a family attnserve does not build, a quantisation it does not load
+        notes.append(f"--device-memory: the weights cannot be counted ({e})")
+        return None
+    return DeviceFit(int(memory_gib * GIB), utilization, weights)
 
 
 # --- the plot -----------------------------------------------------------------------------

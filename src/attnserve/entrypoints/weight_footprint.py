@@ -19,6 +19,8 @@ profile (activations, CUDA graphs and the allocator come on top, as the report s
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -61,6 +63,13 @@ def weight_footprint(arch: ModelArch, dtype: str, tensor_parallel_size: int = 1)
         ValueError: attnserve cannot build this model (``arch.unsupported``), or its
             ``quantization_config`` is not one attnserve loads.
     """
+    # ModelArch equality leaves the quantization_config out: it joins the cache key here
+    quant = json.dumps(arch.quantization_config, sort_keys=True, default=str)
+    return _footprint(arch, quant, dtype, tensor_parallel_size)
+
+
+@functools.lru_cache(maxsize=8)  # a meta build of a 671B-parameter model takes seconds
+def _footprint(arch: ModelArch, quant: str, dtype: str, tensor_parallel_size: int) -> WeightFootprint:
     if arch.unsupported:
         raise ValueError(f"{arch.model_type}: {arch.unsupported}")
     scheme = QuantScheme.from_config(arch.quantization_config)
