@@ -14,6 +14,9 @@ every ``import fla`` here fail, so transformers keeps its PyTorch reference path
 ``attnserve.entrypoints.cli.main`` configures the ``attnserve`` logger (level, a stderr
 handler); each test gets the logger back as it found it, so one test's command line does not
 make later tests log.
+
+``HF_HUB_OFFLINE=1``: a Hugging Face model id is resolved from a local cache only, so that no
+test can download anything.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # hub model ids resolve from the cache only: nothing downloads
 sys.modules.setdefault("fla", None)
 
 

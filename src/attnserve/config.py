@@ -28,7 +28,10 @@ class ModelConfig:
     load_format: str = "auto"  # auto | safetensors | dummy
     max_model_len: int | None = None
     tokenizer: str | None = None  # a tokenizer directory other than the model's
-    revision: str | None = None  # the hub revision (branch, tag, commit) of a hub model id
+    revision: str | None = None  # a hub model id's branch, tag or commit (None: the default branch)
+    # generation_config.json: "auto" (the model's EOS ids and default sampling), "vllm" (ignored),
+    # or a directory holding one
+    generation_config: str = "auto"
     seed: int = 0
     device: str | None = None  # cpu | cuda | cuda:N; None: this machine's platform
     served_model_name: str | None = None

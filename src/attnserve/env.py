@@ -16,6 +16,8 @@ __all__ = [
     "force_platform",
     "cpu_threads",
     "disable_nccl_multicast",
+    "hf_hub_offline",
+    "hf_hub_cache",
 ]
 
 
@@ -68,6 +70,24 @@ def cpu_threads() -> int | None:
     """``ATTNSERVE_CPU_THREADS``: torch intra-op threads on CPU (default: torch's choice)."""
     value = os.environ.get("ATTNSERVE_CPU_THREADS", "").strip()
     return int(value) if value else None
+
+
+def hf_hub_offline() -> bool:
+    """``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``): Hugging Face model ids resolve from
+    the local cache only, nothing is downloaded (read when a model is resolved, not at import)."""
+    return _flag("HF_HUB_OFFLINE") or _flag("TRANSFORMERS_OFFLINE")
+
+
+def hf_hub_cache() -> str:
+    """The Hugging Face hub cache, as ``huggingface_hub`` finds it: ``HF_HUB_CACHE``, else
+    ``$HF_HOME/hub`` (``HF_HOME`` defaults to ``$XDG_CACHE_HOME/huggingface``, then
+    ``~/.cache/huggingface``)."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return os.path.expanduser(cache)
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
 
 
 def disable_nccl_multicast() -> None:

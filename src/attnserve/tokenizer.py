@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import functools
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +29,9 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ByteTokenizer", "FastTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "FastTokenizer", "Tokenizer", "load_chat_template", "load_tokenizer"]
+
+logger = logging.getLogger(__name__)
 
 # transformers' named special tokens, in its order; other "*_token" keys of tokenizer_config.json
 # (image_token, ...) are named special tokens too.
@@ -37,6 +40,34 @@ _NAMED_TOKENS = tuple(f"{n}_token" for n in ("bos", "eos", "unk", "sep", "pad", 
 _UNSUPPORTED_FILES = ("tokenizer.model", "spiece.model", "tekken.json", "vocab.json", "vocab.txt")
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _NO_MAX_LENGTH = 10**29  # transformers writes int(1e30) for "no limit"
+_NO_TEMPLATE = (
+    "this model has no chat template (none in tokenizer_config.json or chat_template.jinja): "
+    "pass one (a Jinja template or the path of a file holding one) with `--chat-template` "
+    "(attnserve serve), `chat_template=` (LLM.chat), or `chat_template` in a chat request (a "
+    "server started with --trust-request-chat-template); or use the completions API"
+)
+
+
+def load_chat_template(value: str | Path | None) -> str | None:
+    """A chat template given as a file path or as the template itself (vLLM's
+    ``--chat-template``): the file's text, the string itself when it is no file but looks like
+    a template (it has ``{``, ``}`` or a newline), or None for None.
+
+    Raises:
+        ValueError: a string that names no readable file and is no template (naming it).
+    """
+    if value is None:
+        return None
+    try:
+        is_file = Path(value).expanduser().is_file()
+    except OSError:  # a template too long for a file name
+        is_file = False
+    if is_file:
+        return _read_text(Path(value).expanduser())
+    if isinstance(value, Path) or not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat template '{value}' is neither a readable file nor a template (a "
+                         "template has Jinja tags such as '{{ ... }}' or '{% ... %}')")
+    return value
 
 
 class _GenerationTag(Extension):
@@ -172,10 +203,7 @@ class Tokenizer(abc.ABC):
             except jinja2.TemplateSyntaxError as exc:
                 raise ValueError(f"chat template argument: invalid template: {exc}") from exc
         if not templates:
-            raise ValueError(
-                "this model has no chat template (none in tokenizer_config.json or "
-                "chat_template.jinja); pass a chat template or use the completions API"
-            )
+            raise ValueError(_NO_TEMPLATE)
         if tools is not None and "tool_use" in templates:
             return _compile_template(templates["tool_use"])
         if "default" not in templates:
@@ -292,7 +320,8 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     Args:
         model_dir: a directory with ``tokenizer.json`` (and optionally ``tokenizer_config.json``,
             ``special_tokens_map.json``, ``chat_template.jinja``), or with only a ``config.json``
-            (then a ``ByteTokenizer`` of its ``vocab_size``).
+            (then a ``ByteTokenizer`` of its ``vocab_size``, with a warning that says so: text
+            is right only for a byte-level model).
 
     Returns:
         A ``FastTokenizer`` or a ``ByteTokenizer``.
@@ -307,8 +336,16 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         return _load_fast(model_dir)
     for name in _UNSUPPORTED_FILES:
         if (model_dir / name).is_file():
-            raise ValueError(f"{model_dir / name}: only tokenizer.json tokenizers are supported")
-    return _load_byte(model_dir)
+            raise ValueError(f"{model_dir / name}: only tokenizer.json tokenizers are supported; pass "
+                             "the `tokenizer` option (--tokenizer) a directory with the model's "
+                             "tokenizer.json")
+    tokenizer = _load_byte(model_dir)
+    logger.warning(
+        "%s has no tokenizer.json: text is encoded and decoded as UTF-8 bytes (token ids 0-255), which "
+        "is right only for a byte-level model; a model trained with another tokenizer (vocabulary of "
+        "%d) reads garbage and writes garbage. Pass the `tokenizer` option (--tokenizer) a directory "
+        "with its tokenizer.json, or send token ids", model_dir, tokenizer.vocab_size)
+    return tokenizer
 
 
 def _read_json(path: Path) -> dict[str, Any]:

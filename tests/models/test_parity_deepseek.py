@@ -289,3 +289,47 @@ def test_fp8_latent_cache(tmp_path_factory, monkeypatch):
     assert top1 >= 0.75 * positions
     _fp8_emulating_hf(model, monkeypatch)
     assert_parity(hf_reference(model, prompts, MAX_TOKENS), outs)
+
+
+# glm4_moe with the whole head rotated and no biases is DeepSeek-V3's MoE decoder with plain
+# attention: the reference for DeepSeek configs without MLA (issue #23)
+GLM_AS_PLAIN_V3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=1.0,
+                       max_position_embeddings=256, n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
+                       first_k_dense_replace=1, routed_scaling_factor=2.5)
+
+
+@pytest.fixture(scope="module")
+def glm_as_plain_v3(tmp_path_factory):
+    """(checkpoint dir, its config, prompts, transformers' reference) of the tiny glm4_moe."""
+    out = tmp_path_factory.mktemp("glm_as_plain_v3")
+    model = build_hf_model("glm4_moe", GLM_AS_PLAIN_V3, out)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand(b.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    model.save_pretrained(out)
+    prompts = make_prompts([7, 19])
+    return out, json.loads((out / "config.json").read_text()), prompts, hf_reference(model, prompts, 8)
+
+
+@pytest.mark.parametrize("no_mla", [{"qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "kv_lora_rank": 512},
+                                    {"kv_lora_rank": None}], ids=["zero_head_dims", "kv_lora_rank_null"])
+def test_deepseek_config_without_mla_runs_as_plain_attention(no_mla, glm_as_plain_v3, tmp_path):
+    """vLLM serves a deepseek_v3 config whose qk_nope/qk_rope head dims are both 0, or whose
+    kv_lora_rank is null, with plain attention (q/k/v/o, hidden / heads per head, NeoX RoPE over
+    the whole head); before, the first raised ZeroDivisionError and the second an ArchError."""
+    path, cfg, prompts, ref = glm_as_plain_v3
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = dict(cfg, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], head_dim=0, q_lora_rank=None,
+               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc",
+               scoring_func="sigmoid", norm_topk_prob=True, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 10000.0})
+    cfg.update(no_mla)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4)
+    assert llm.llm_engine.arch.mechanism.value == "GQA"
+    few = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    assert_parity(ref, run_engine(llm, prompts, few))

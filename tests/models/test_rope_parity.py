@@ -118,3 +118,19 @@ def test_scaling_is_exercised(case):
     arch = read_arch(cfg)
     rope = arch.layers[0].rope
     assert rope.rope_type != "default" or rope.rotary_dim < arch.layers[0].head_size
+
+
+def test_dynamic_ntk_at_the_original_length(tmp_path):
+    """Dynamic NTK with max_position_embeddings 32 and factor 2 (issue #23): the default
+    max_model_len is 64, as vLLM derives it (before, 32 refused a 33-token prompt), and prompts
+    of 32 tokens (the last unscaled length) and 33 (the first scaled one) match transformers
+    run fresh for each prompt. transformers' module keeps frequencies grown by a longer earlier
+    call until a sequence is shorter than 32, so a 33-token prompt after a 41-token one differs
+    there by ~0.2 in logprobs: ``hf_reference`` resets it, as a fresh model would be."""
+    model = build_hf_model("llama", dict(BASE, max_position_embeddings=32, rope_parameters=CASES["dynamic"][1][
+        "rope_parameters"]), tmp_path)
+    prompts = make_prompts([32, 33], seed=5)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4)
+    assert llm.llm_engine.max_model_len == 64
+    few = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    assert_parity(hf_reference(model, prompts, 4), run_engine(llm, prompts, few))

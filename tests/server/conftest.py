@@ -78,14 +78,15 @@ def build_tiny_llama(out_dir: Path, seed: int = 0, std: float = 0.2) -> Path:
 class ServerThread:
     """uvicorn serving ``build_app`` in a daemon thread on a free loopback port."""
 
-    def __init__(self, model_dir: Path, api_key: str | None = API_KEY, **engine_kwargs):
+    def __init__(self, model_dir: Path, api_key: str | None = API_KEY, app_kwargs: dict | None = None,
+                 **engine_kwargs):
         import uvicorn
 
         from attnserve.engine.async_engine import AsyncLLMEngine
         from attnserve.entrypoints.openai.api_server import build_app
 
         self.engine = AsyncLLMEngine.from_kwargs(str(model_dir), **engine_kwargs)
-        self.app = build_app(self.engine, MODEL_NAME, api_key)
+        self.app = build_app(self.engine, MODEL_NAME, api_key, **(app_kwargs or {}))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]

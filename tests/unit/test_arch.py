@@ -336,3 +336,29 @@ def test_layers_past_the_config_are_skipped_only_where_checkpoints_carry_mtp():
                         q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                         n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1))
     assert get_model_class(v3)(v3).rename("model.layers.1.mlp.down_proj.weight") is None
+
+
+@pytest.mark.parametrize("rope, expected", [
+    (None, 4096),
+    ({"rope_type": "linear", "factor": 4.0}, 16384),
+    ({"rope_type": "dynamic", "factor": 2.0}, 8192),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 4096),
+    ({"rope_type": "yarn", "factor": 4.0}, 16384),  # no original: max_position_embeddings
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 512}, 4096),  # already the extended length
+])
+def test_default_max_model_len_applies_the_rope_factor(rope, expected):
+    """vLLM's default max_model_len: max_position_embeddings times the factor of linear, dynamic
+    and YaRN scaling (YaRN: times original_max_position_embeddings); llama3, longrope and
+    Gemma 3 state the extended length themselves (issue #23)."""
+    kw = {"rope_scaling": rope} if rope else {}
+    a = read_arch(_tiny("llama", hidden_size=64, num_attention_heads=4, max_position_embeddings=4096, **kw))
+    assert a.derived_max_model_len == expected
+
+
+def test_default_max_model_len_of_shipped_configs():
+    assert arch("deepseek-ai/DeepSeek-V3").derived_max_model_len == 4096 * 40 == 163_840  # YaRN
+    gemma3 = arch("google/gemma-3-1b-it", rope_scaling={"rope_type": "linear", "factor": 8.0})  # as the 4B
+    assert next(s.rope.factor for s in gemma3.layers if s.window is None) == 8.0
+    assert gemma3.derived_max_model_len == 32_768
+    assert arch("microsoft/Phi-3-mini-4k-instruct").derived_max_model_len == 4096

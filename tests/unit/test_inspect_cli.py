@@ -115,3 +115,83 @@ def test_python_dash_m_is_the_same_command():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["kv_bytes_per_token"] == 12 * 2 * 12 * 64 * 4  # gpt2 ships float32
+
+
+# --- a whole device (issue #23): the weights first, the KV cache from what is left ----------------
+
+
+def test_device_memory_subtracts_the_weights(capsys):
+    """Llama-3.1-8B: 8,030,261,248 parameters (its model card) in bfloat16, then the KV cache."""
+    out = run_json(capsys, "meta-llama/Llama-3.1-8B-Instruct", "--platform", "cpu", "--device-memory", "80GiB",
+                   "--max-model-len", "8192", "--memory", "16")
+    device = out["device"]
+    assert device["num_parameters"] == 8_030_261_248 and device["weight_bytes"] == 2 * 8_030_261_248
+    assert device["checkpoint_weight_bytes"] == device["weight_bytes"] and device["quantization"] is None
+    usable = int(80 * GIB * 0.9)
+    assert device["usable_bytes"] == usable and device["weights_fit"]
+    assert device["kv_cache_bytes"] == usable - 2 * 8_030_261_248
+    assert device["max_tokens"] == (usable - 2 * 8_030_261_248) // 131_072
+    assert device["max_sequences"] == (usable - 2 * 8_030_261_248) // (8192 * 131_072)
+    assert out["max_tokens"] == 16 * GIB // 131_072  # the KV-budget answer stays
+
+
+def test_deepseek_v32_weights_do_not_fit_in_80_gib(capsys):
+    out = run_json(capsys, "deepseek-ai/DeepSeek-V3.2", "--platform", "cpu", "--gpu-memory", "80",
+                   "--kv-cache-dtype", "fp8", "--memory", "80")
+    device = out["device"]
+    assert device["quantization"] == "fp8" and not device["weights_fit"]
+    assert device["kv_cache_bytes"] == 0 and device["max_tokens"] == 0
+    assert device["weight_bytes"] > 600 * 2 * GIB > device["checkpoint_weight_bytes"] > 600 * GIB
+    assert not device["with_checkpoint_weights"]["weights_fit"]
+    assert out["max_tokens"] == 80 * GIB // out["kv_bytes_per_token"]  # the KV budget alone
+    assert main(["inspect", "deepseek-ai/DeepSeek-V3.2", "--platform", "cpu", "--device-memory", "80GiB"]) == 0
+    assert "do not fit" in capsys.readouterr().out
+
+
+def test_checkpoint_bytes_equal_the_released_checkpoints():
+    """Quantised weights as stored, against released checkpoints: gpt-oss-20b's
+    model.safetensors.index.json total_size (MXFP4 experts), and the fp8 DeepSeek-V3/R1
+    checkpoint's tensor list (shape and dtype of every tensor of layers 0-60; the MTP layer 61,
+    which attnserve does not load, left out)."""
+    from attnserve.arch import load_hf_config, read_arch
+    from attnserve.entrypoints.weight_footprint import weight_footprint
+    from attnserve.presets import resolve_config_path
+
+    def footprint(name: str):
+        return weight_footprint(read_arch(load_hf_config(resolve_config_path(name))), "bfloat16")
+
+    assert footprint("openai/gpt-oss-20b").checkpoint_bytes == 13_761_264_768
+    h, v = 7168, 129280
+    rows = [  # (tensors, elements each, bytes per element)
+        (2, v * h, 2),  # embed_tokens, lm_head
+        (3 * 3, h * 18432, 1), (3 * 3, 56 * 144, 4),  # dense MLPs of layers 0-2, fp8 + block scales
+        (61 * 2, h, 2), (61, 512, 2), (61, 1536, 2),  # norms
+        (61, 576 * h, 1), (61, 5 * 56, 4), (61, 32768 * 512, 1), (61, 256 * 4, 4),  # kv_a, kv_b
+        (61, h * 16384, 1), (61, 56 * 128, 4), (61, 1536 * h, 1), (61, 12 * 56, 4),  # o, q_a
+        (61, 24576 * 1536, 1), (61, 192 * 12, 4),  # q_b
+        (58 * 256 * 3, 2048 * h, 1), (58 * 256 * 3, 16 * 56, 4),  # routed experts
+        (58, 256, 4), (58, 256 * h, 2),  # router: correction bias (float32), gate
+        (58 * 3, 2048 * h, 1), (58 * 3, 16 * 56, 4),  # shared experts
+        (1, h, 2),  # final norm
+    ]
+    v3 = footprint("deepseek-ai/DeepSeek-V3")
+    assert v3.checkpoint_bytes == sum(n * e * b for n, e, b in rows)
+    assert v3.loaded_bytes > 2 * v3.num_parameters  # dequantised to bf16 (routers in float32)
+
+
+def test_memory_sizes_parse():
+    from attnserve.entrypoints.inspect import parse_gib
+
+    assert parse_gib("80") == parse_gib("80GiB") == parse_gib("80 g") == 80.0
+    assert parse_gib("80GB") == pytest.approx(80e9 / GIB)
+    for bad in ("lots", "-1", "0GiB"):
+        with pytest.raises(ValueError):
+            parse_gib(bad)
+
+
+def test_device_memory_of_a_family_attnserve_does_not_build(tmp_path, capsys):
+    cfg = {"model_type": "qwen2_moe", "vocab_size": 100, "num_hidden_layers": 2, "hidden_size": 64,
+           "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = run_json(capsys, str(tmp_path), "--platform", "cpu", "--device-memory", "24")
+    assert "device" not in out and any("cannot be counted" in n for n in out["notes"])

@@ -161,6 +161,7 @@ def test_tier_hit_is_bit_exact_and_matches_a_device_hit(model_dir, tmp_path):
         before = stats.offload_hit_tokens
         out = run_engine(llm, later, greedy())
         assert stats.offload_hit_tokens - before == 36, f"{backend}: the prefix did not come from the tier"
+        assert out[0].num_cached_tokens == 36, f"{backend}: tier hits count as cached tokens (as in vLLM)"
         assert outputs(out) == outputs(ref_device), f"{backend}: a tier hit differs from a device hit"
         offload = llm.llm_engine.runner.offload
         assert offload.stats.bytes_loaded > 0 and offload.stats.bytes_stored > 0

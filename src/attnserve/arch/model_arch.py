@@ -357,3 +357,17 @@ class ModelArch:
     @property
     def is_mla(self) -> bool:
         return any(s.kind.is_mla for s in self.layers)
+
+    @property
+    def derived_max_model_len(self) -> int:
+        """The default ``max_model_len``, vLLM's rule: ``max_position_embeddings`` (2048 when the
+        config gives none) times the RoPE scaling factor, for every scaling but llama3 and
+        longrope (their ``max_position_embeddings`` already is the extended length); YaRN
+        multiplies ``original_max_position_embeddings``. Gemma 3 states the scaled length."""
+        base = self.max_position_embeddings or 2048
+        rope = next((s.rope for s in self.layers if s.rope is not None), None)
+        if rope is None or rope.rope_type in ("llama3", "longrope") or self.model_type.startswith("gemma3"):
+            return base
+        if rope.rope_type == "yarn" and rope.original_max_position_embeddings:
+            base = rope.original_max_position_embeddings
+        return int(base * rope.factor)

@@ -199,8 +199,27 @@ def _deepseek_facts(r: Reader) -> dict[str, Any]:
 
 
 def deepseek(r: Reader) -> Built:
+    if _plain_attention(r):
+        # as vLLM serves such configs: Llama's attention (q/k/v/o projections, hidden / heads per
+        # head, RoPE over the whole head, NeoX layout), DeepSeek's MLP and MoE around it
+        if r.hidden_size % r.num_heads:
+            raise ArchError(f"{r.model_type}: without MLA, hidden_size={r.hidden_size} must split over "
+                            f"num_attention_heads={r.num_heads}")
+        hd = r.hidden_size // r.num_heads  # vLLM's; the config's head_dim is the RoPE part of MLA
+        rope = r.rope(hd)
+        layers = standard_layers(r, [None] * r.num_layers, moe_layers=deepseek_moe_layers(r),
+                                 rope_for=lambda i, w: rope, head_dim=hd)
+        return Built(layers, **_deepseek_facts(r))
     mla = mla_layers(r, LayerKind.MLA, indexer_for=lambda i: None)
     return Built([mla[i] for i in range(r.num_layers)], **_deepseek_facts(r))
+
+
+def _plain_attention(r: Reader) -> bool:
+    """A DeepSeek-V2/V3 config without MLA: ``kv_lora_rank`` null, or ``qk_nope_head_dim`` and
+    ``qk_rope_head_dim`` both 0 (or absent). vLLM runs these layers as plain multi-head attention."""
+    if "kv_lora_rank" in r.cfg and r.cfg["kv_lora_rank"] is None:
+        return True
+    return not r.int("qk_nope_head_dim", default=0) and not r.int("qk_rope_head_dim", default=0)
 
 
 def _indexer_types(r: Reader) -> list[str]:

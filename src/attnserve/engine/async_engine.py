@@ -176,6 +176,7 @@ class AsyncLLMEngine:
                            "cache_dtype": engine.parts.plan.kv_cache_dtype,
                            "enable_prefix_caching": str(cache.enable_prefix_caching)}
         self._throughput = ThroughputLogger(log_stats_interval) if log_stats_interval is not None else None
+        self.generation_config = engine.generation_config  # the model's sampling defaults
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stats = EngineStats()
         self._num_aborted = 0

@@ -63,7 +63,7 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dict, state_caches: list,
-                   device: torch.device):
+                   device: torch.device, model_dir: Path):
     """The offload tier and manager when ``kv_offloading_size`` is set, else (None, None)."""
     off = config.offload
     if off.kv_offloading_size is None:
@@ -80,7 +80,8 @@ def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dic
         if not off.kv_offloading_dir:
             raise ValueError("kv_offloading_backend 'disk' needs kv_offloading_dir, the directory to keep blocks in")
         # the files say which model (and cache layout) wrote them: another engine's are misses
-        namespace = repr((str(Path(config.model.model).resolve()), config.model.dtype, config.cache.kv_cache_dtype,
+        # (the resolved directory: a hub id's snapshot path names its commit)
+        namespace = repr((str(model_dir.resolve()), config.model.dtype, config.cache.kv_cache_dtype,
                           groups[0].block_size, blob))
         tier = DiskTier(capacity, blob, off.kv_offloading_dir, pin_memory=device.type == "cuda",
                         namespace=namespace)
@@ -110,7 +111,11 @@ class EngineParts:
     workers: WorkerGroup | None = None  # tensor parallel, rank 0: the ranks it started
 
 
-def resolve_model_dir(model: str) -> Path:
+def resolve_model_dir(model: str, revision: str | None = None, *, weights: bool = True) -> Path:
+    """The directory of a model: a local directory, a model shipped with the package, or a
+    Hugging Face hub id (``org/name``, at ``revision``) from the local cache or downloaded
+    (``hub.py``; ``weights`` False fetches no safetensors)."""
+    from attnserve.hub import is_hub_id, resolve_hub_model
     from attnserve.presets import resolve_model_preset
 
     path = Path(model).expanduser()
@@ -119,8 +124,10 @@ def resolve_model_dir(model: str) -> Path:
     preset = resolve_model_preset(model)
     if preset is not None:
         return preset
-    raise FileNotFoundError(f"model '{model}' is not a directory with a config.json (nothing is downloaded; "
-                            f"pass a local Hugging Face model directory)")
+    if is_hub_id(model):
+        return resolve_hub_model(model, revision, weights=weights)
+    raise FileNotFoundError(f"model '{model}' is neither a directory with a config.json nor a Hugging Face "
+                            f"model id (org/name)")
 
 
 def _device_and_platform(config: EngineConfig) -> tuple[torch.device, Platform]:
@@ -165,8 +172,9 @@ def build_engine_parts(config: EngineConfig, parallel: ParallelState | None = No
         parallel: a tensor-parallel worker's rank (``run_worker``); None on rank 0, which
             starts the other ranks itself when ``tensor_parallel_size`` > 1.
     """
-    model_dir = resolve_model_dir(config.model.model)
-    if config.model.revision is not None and parallel is None:
+    model_dir = resolve_model_dir(config.model.model, config.model.revision,
+                                  weights=config.model.load_format != "dummy")
+    if config.model.revision is not None and parallel is None and Path(config.model.model).expanduser().is_dir():
         # a revision picks a hub snapshot; a local directory or shipped preset is what it is
         logger.warning("revision '%s' is ignored: %s is a local directory, not a hub model id",
                        config.model.revision, model_dir)
@@ -191,10 +199,11 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     # each rank caches its own heads (tensor parallelism); the pool has as many blocks on every rank
     plan = plan_engine(arch, config, platform)
     max_len = plan.max_model_len
-    if arch.max_position_embeddings and config.model.max_model_len and max_len > arch.max_position_embeddings:
-        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
-                       max_len, arch.max_position_embeddings)
-    tokenizer = load_tokenizer(resolve_model_dir(config.model.tokenizer) if config.model.tokenizer else model_dir)
+    if arch.max_position_embeddings and config.model.max_model_len and max_len > arch.derived_max_model_len:
+        logger.warning("max_model_len %d exceeds the %d the model is configured for (max_position_embeddings, "
+                       "RoPE scaling applied)", max_len, arch.derived_max_model_len)
+    tokenizer = load_tokenizer(resolve_model_dir(config.model.tokenizer, weights=False)
+                               if config.model.tokenizer else model_dir)
     groups = list(plan.layout.groups)  # the paged groups; state layers get slots instead
     backend_names = plan.backend_names  # raises when a group has no backend, or needs several
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
@@ -217,7 +226,7 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                                host_entries=host_latents.entries if host_latents else frozenset())
     state_caches = allocate_state_cache(model, state_groups, state_pool.num_slots, device, backends) \
         if state_pool is not None else []
-    offload, offload_io = _build_offload(config, groups, caches, state_caches, device)
+    offload, offload_io = _build_offload(config, groups, caches, state_caches, device, model_dir)
     graphs = not config.model.enforce_eager and parallel is None
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     if graphs and device.type == "cuda" and not all(m.graph_safe(device) for m in experts):

@@ -25,6 +25,7 @@ from attnserve.core.step import RunnerOutput, SchedulerOutput
 from attnserve.engine.builder import EngineParts, build_engine_parts
 from attnserve.engine.output_processor import CompletionState, RequestState, make_detokenizer
 from attnserve.engine.scheduler import Scheduler
+from attnserve.generation_config import load_generation_config
 from attnserve.outputs import RequestOutput
 from attnserve.runner.model_runner import StepHandle
 from attnserve.sampling_params import SamplingParams
@@ -45,6 +46,9 @@ class LLMEngine:
         self.arch = self.parts.arch
         self.tokenizer = self.parts.tokenizer
         self.max_model_len = self.parts.max_model_len
+        # generation_config.json: its EOS ids stop generation too; its sampling defaults are
+        # applied by LLM.generate and the server (where the request sets none)
+        self.generation_config = load_generation_config(config.model.generation_config, self.parts.model_dir)
         rope = next((s.rope for s in self.arch.layers if s.rope is not None), None)
         # prefix hits are off where a cached block's meaning depends on more than its tokens:
         # length-dependent RoPE, and StreamingLLM (what was dropped before a block)
@@ -85,6 +89,11 @@ class LLMEngine:
         if wanted and blockers:
             raise ValueError(f"async_scheduling is not supported with {', '.join(blockers)}")
         return not blockers if wanted is None and parts.device.type == "cuda" else bool(wanted)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The config's EOS ids and those generation_config.json adds: every one stops a request."""
+        return tuple(dict.fromkeys(self.arch.eos_token_ids + self.generation_config.eos_token_ids))
 
     @property
     def kv_manager(self):
@@ -129,9 +138,11 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        text = None
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+            if "prompt_token_ids" in prompt:  # and its text, when given (LLM.chat passes both)
+                text = prompt["prompt"] if isinstance(prompt.get("prompt"), str) else None
+                prompt = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -143,7 +154,7 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)):
             raise PromptError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
                               f"'prompt_token_ids', got {type(prompt).__name__}")
-        return None, list(prompt)
+        return text, list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict[str, Any],
                     params: SamplingParams | None = None) -> str:
@@ -167,11 +178,13 @@ class LLMEngine:
             if params.n > 1:
                 child_params = SamplingParams(**{**_params_dict(params), "n": 1, "seed": params.child_seed(i)})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, ids, child_params, eos_token_ids=self.arch.eos_token_ids,
+            req = Request(child_id, ids, child_params, eos_token_ids=self.eos_token_ids,
                           block_size=self.config.cache.block_size, prompt=text,
                           cacheable=not self._uncacheable)
             completions.append(CompletionState(req, i, make_detokenizer(self.tokenizer, req)))
-        state = RequestState(request_id, text, ids, completions, self.tokenizer)
+        # vLLM's shape: one entry per prompt token, the first None (a one-token prompt: [None])
+        first = [None] if params.prompt_logprobs is not None else None
+        state = RequestState(request_id, text, ids, completions, self.tokenizer, prompt_logprobs=first)
         self.states[request_id] = state
         for c in completions:
             self._child_to_state[c.request.request_id] = (state, c)

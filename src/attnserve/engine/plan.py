@@ -155,7 +155,7 @@ def plan_engine(arch: ModelArch, config: EngineConfig, platform: Platform) -> En
     tp = config.parallel.tensor_parallel_size
     rank_arch = shard_arch(arch, tp)
     dtype = arch.dtype if config.model.dtype == "auto" else config.model.dtype
-    max_len = config.model.max_model_len or arch.max_position_embeddings or 2048
+    max_len = config.model.max_model_len or arch.derived_max_model_len
     entries = cache_entries(rank_arch, config.cache, dtype)
     layout = plan_layout(entries)  # the paged groups; state layers get slots instead
     state_entries = [e for e in entries if e.spec.policy is CachePolicy.STATE]

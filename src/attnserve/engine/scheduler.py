@@ -263,8 +263,8 @@ class Scheduler:
                                           num_cached // self.kv.block_size, self.kv.state_slot(req.request_id))
                 self.stats.offload_hit_tokens += loaded
             req.num_computed_tokens = num_cached + loaded
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
+            if req.num_cached_tokens < 0:  # as vLLM: device hits and tokens the offload tier brings
+                req.num_cached_tokens = num_cached + loaded
                 self.stats.prefix_hit_tokens += num_cached
                 self.stats.prompt_tokens += req.num_prompt_tokens
             req.status = RequestStatus.RUNNING

@@ -59,6 +59,12 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--memory", type=float, default=None, metavar="GiB")
+    p.add_argument("--device-memory", "--gpu-memory", dest="device_memory", default=None, metavar="SIZE",
+                   help="a whole device's memory (80, 80GiB, 80GB): tokens that fit once the weights "
+                        "(computed from the config, quantisation included) are loaded")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the share of --device-memory the engine may use (default: 0.9)")
+    p.add_argument("--revision", default=None, help="a Hugging Face model id's branch, tag or commit")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="report one rank's KV bytes, state and sequences (--memory is per rank)")
@@ -69,7 +75,7 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from attnserve import env
-    from attnserve.entrypoints.inspect import build_report, dumps, plot_kv_memory
+    from attnserve.entrypoints.inspect import build_report, dumps, parse_gib, plot_kv_memory
     from attnserve.platforms import current_platform, get_platform
 
     cc = None
@@ -77,11 +83,14 @@ def _run_inspect(args: argparse.Namespace) -> int:
         major, _, minor = args.compute_capability.partition(".")
         cc = (int(major), int(minor or 0))
     platform = get_platform(args.platform, cc) if args.platform else current_platform()
+    device_gib = parse_gib(args.device_memory) if args.device_memory is not None else None
     # a backend that does not fit (BackendSelectionError) is a ValueError: main prints it, exit 2
     report = build_report(args.model, platform, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           attention_backend=args.attention_backend, memory_gib=args.memory,
                           max_model_len=args.max_model_len, block_size=args.block_size,
-                          use_mla=not env.mla_disabled(), tensor_parallel_size=args.tensor_parallel_size)
+                          use_mla=not env.mla_disabled(), tensor_parallel_size=args.tensor_parallel_size,
+                          device_memory_gib=device_gib, gpu_memory_utilization=args.gpu_memory_utilization,
+                          revision=args.revision)
     print(dumps(report) if args.json else report.render())
     if args.plot:
         plot_kv_memory(report, args.plot)
@@ -102,6 +111,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="with --chat: this template (a file, or the Jinja template itself) instead of "
+                        "the model's own")
     add_engine_args(p)
     p.set_defaults(func=_run_generate)
 
@@ -121,7 +133,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, ignore_eos=args.ignore_eos, seed=args.seed)
     if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1,
+                        chat_template=args.chat_template)
     else:
         outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for prompt, out in zip(prompts, outs):
@@ -153,6 +166,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="the most prompts one completion request may carry (default: 1024)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a chat template (a file, or the Jinja template itself) used instead of the "
+                        "model's own (default: the model's)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="the HTTP server's log level (attnserve's own: $ATTNSERVE_LOG_LEVEL)")
@@ -173,7 +189,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                log_level=args.uvicorn_log_level,
                limits=ServerLimits(args.max_request_body_bytes, args.max_n, args.max_prompts,
                                    args.trust_request_chat_template),
-               log_stats_interval=None if args.disable_log_stats else env.log_stats_interval())
+               log_stats_interval=None if args.disable_log_stats else env.log_stats_interval(),
+               chat_template=args.chat_template)
     return 0
 
 

@@ -101,6 +101,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="StreamingLLM: and the last W tokens (with --streaming-sinks; default: off)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs (default: graphs on CUDA)")
+    g.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="the model's generation_config.json: 'auto' applies its EOS ids and default "
+                        "sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+                        "where a request sets none; 'vllm' ignores it; or a directory holding one "
+                        "(default: auto)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one (default: on for CUDA "
                         "where the model allows it)")
@@ -112,7 +117,7 @@ _ENGINE_KEYS = ("tokenizer", "revision", "attention_backend", "kv_cache_dtype", 
                 "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir",
                 "kv_offload_sparse_latents", "kv_offload_sparse_latents_size", "tensor_parallel_size",
                 "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager",
-                "async_scheduling")
+                "async_scheduling", "generation_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

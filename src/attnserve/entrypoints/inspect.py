@@ -4,14 +4,18 @@ Reads the ``config.json``, asks ``engine/plan.py`` for the engine's plan (the ca
 backend of every layer with the reasons for the ones passed over, the bytes per token and per
 sequence) and renders it as a table, as JSON, or as a plot of KV memory against context
 length. It groups nothing and selects no backend itself: what it shows is what the engine
-builds with the same options on the same platform.
+builds with the same options on the same platform. Two memory questions: ``--memory GiB`` (a
+KV-cache budget: how many tokens and sequences it holds) and ``--device-memory GiB`` (a whole
+device: its ``gpu_memory_utilization`` share less the weights, computed from the config with
+``weight_footprint.py``, is what the KV cache gets).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from attnserve.arch import LayerKind, MLADims, ModelArch, load_hf_config, read_arch
 from attnserve.config import EngineConfig
@@ -19,7 +23,10 @@ from attnserve.engine.plan import EnginePlan, plan_engine
 from attnserve.platforms import Platform
 from attnserve.presets import resolve_config_path
 
-__all__ = ["InspectReport", "LayerGroupRow", "build_report", "plot_kv_memory"]
+if TYPE_CHECKING:
+    from attnserve.entrypoints.weight_footprint import WeightFootprint
+
+__all__ = ["DeviceFit", "InspectReport", "LayerGroupRow", "build_report", "parse_gib", "plot_kv_memory"]
 
 GIB = 1024**3
 
@@ -36,6 +43,28 @@ class LayerGroupRow:
     backend: str
     passed_over: tuple[tuple[str, tuple[str, ...]], ...]
     offload: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFit:
+    """A whole device: what is left for the KV cache once the weights are loaded."""
+
+    memory_bytes: int
+    gpu_memory_utilization: float
+    weights: WeightFootprint
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory_bytes * self.gpu_memory_utilization)
+
+    def kv_bytes(self, weight_bytes: int | None = None) -> int:
+        """Bytes left for the KV cache after ``weight_bytes`` (default: as the engine loads them)."""
+        weight_bytes = self.weights.loaded_bytes if weight_bytes is None else weight_bytes
+        return max(self.usable_bytes - weight_bytes, 0)
+
+    @property
+    def weights_fit(self) -> bool:
+        return self.weights.loaded_bytes < self.usable_bytes
 
 
 @dataclass(slots=True)
@@ -58,6 +87,15 @@ class InspectReport:
     # sparse MLA (DSA) only: per token, what stays on the device with --kv-offload-sparse-latents
     # (indexer keys) and what goes to host memory (latent rows); None for other models
     host_latent_bytes_per_token: int | None = None
+    device: DeviceFit | None = None  # --device-memory: the whole device's answer
+
+    def tokens_in(self, kv_bytes: int) -> int:
+        """Tokens whose KV fits in ``kv_bytes`` (sliding layers at their full rate, no state)."""
+        return kv_bytes // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
+
+    def sequences_in(self, kv_bytes: int) -> int:
+        """Sequences of ``max_model_len`` tokens (states included) that fit in ``kv_bytes``."""
+        return kv_bytes // self.bytes_per_sequence if self.bytes_per_sequence else 0
 
     @property
     def device_bytes_per_token_host_latents(self) -> int | None:
@@ -122,6 +160,8 @@ class InspectReport:
             out["memory_bytes"] = self.memory_bytes
             out["max_tokens"] = self.max_tokens
             out["max_sequences"] = self.max_sequences
+        if self.device is not None:
+            out["device"] = self._device_json(self.device)
         if self.host_latent_bytes_per_token is not None:
             out["sparse_latent_offload"] = {
                 "device_bytes_per_token": self.device_bytes_per_token_host_latents,
@@ -129,6 +169,49 @@ class InspectReport:
                 "max_tokens": self.max_tokens_host_latents,
             }
         return out
+
+    def _device_json(self, d: DeviceFit) -> dict[str, Any]:
+        w = d.weights
+        out = {"memory_bytes": d.memory_bytes, "gpu_memory_utilization": d.gpu_memory_utilization,
+               "usable_bytes": d.usable_bytes, "num_parameters": w.num_parameters,
+               "weight_dtype": w.dtype, "weight_bytes": w.loaded_bytes,
+               "checkpoint_weight_bytes": w.checkpoint_bytes, "quantization": w.quantization,
+               "weights_sharded": w.sharded, "weights_fit": d.weights_fit, "kv_cache_bytes": d.kv_bytes(),
+               "max_tokens": self.tokens_in(d.kv_bytes()), "max_sequences": self.sequences_in(d.kv_bytes())}
+        if w.checkpoint_bytes != w.loaded_bytes:  # as an engine keeping the weights quantised would
+            kv = d.kv_bytes(w.checkpoint_bytes)
+            out["with_checkpoint_weights"] = {"weights_fit": w.checkpoint_bytes < d.usable_bytes,
+                                              "kv_cache_bytes": kv, "max_tokens": self.tokens_in(kv),
+                                              "max_sequences": self.sequences_in(kv)}
+        return out
+
+    def _render_device(self, d: DeviceFit) -> list[str]:
+        w = d.weights
+        lines = [f"On a device of {_size(d.memory_bytes)} at gpu_memory_utilization {d.gpu_memory_utilization:g}: "
+                 f"{_size(d.usable_bytes)} for the engine"
+                 + (" (per rank)" if self.tensor_parallel_size > 1 else "")]
+        held = f"weights: {w.num_parameters / 1e9:,.2f}B parameters, {_size(w.loaded_bytes)} in {w.dtype}"
+        if w.quantization:
+            held += (f" as attnserve holds them (the {w.quantization} checkpoint stores "
+                     f"{_size(w.checkpoint_bytes)}; attnserve dequantises it when loading)")
+        if not w.sharded:
+            held += f" (an even 1/{self.tensor_parallel_size} share: tensor parallelism has no plan for it)"
+        lines.append("  " + held)
+        if not d.weights_fit:
+            lines.append(f"  the weights alone ({_size(w.loaded_bytes)}) do not fit in {_size(d.usable_bytes)}: "
+                         "no room for a KV cache")
+        else:
+            kv = d.kv_bytes()
+            lines.append(f"  KV cache: {_size(kv)} after the weights: {_num(self.tokens_in(kv)) or 0} tokens; "
+                         f"{_num(self.sequences_in(kv)) or 0} sequences of {_num(self.max_model_len)} tokens at once")
+        if w.checkpoint_bytes != w.loaded_bytes:
+            kv = d.kv_bytes(w.checkpoint_bytes)
+            lines.append(f"  with the weights kept at their {_size(w.checkpoint_bytes)} (an engine with "
+                         f"{w.quantization} kernels): " + (f"{_num(self.tokens_in(kv)) or 0} tokens" if kv else
+                                                           "they do not fit either"))
+        lines.append("  (the engine also keeps room for the largest step's activations and CUDA graphs, "
+                     "measured when it starts)")
+        return lines
 
     def render(self) -> str:
         a = self.arch
@@ -162,6 +245,8 @@ class InspectReport:
         if self.memory_bytes is not None:
             lines.append(f"In {_size(self.memory_bytes)}: {_num(self.max_tokens or 0)} tokens of KV cache; "
                          f"{_num(self.max_sequences or 0)} sequences of {_num(self.max_model_len)} tokens at once")
+        if self.device is not None:
+            lines += self._render_device(self.device)
         device = self.device_bytes_per_token_host_latents
         if device is not None:
             host = self.host_latent_bytes_per_token or 0
@@ -244,31 +329,86 @@ def _notes(arch: ModelArch, use_mla: bool) -> list[str]:
     return notes
 
 
+def parse_gib(value: str) -> float:
+    """A memory size in GiB: ``80``, ``80GiB``, ``80G`` (GiB) or ``80GB`` (10**9 bytes)."""
+    text = str(value).strip()
+    units = (("gib", 1.0), ("gb", 1e9 / GIB), ("g", 1.0))
+    scale = 1.0
+    for suffix, factor in units:
+        if text.lower().endswith(suffix):
+            text, scale = text[: -len(suffix)].strip(), factor
+            break
+    try:
+        gib = float(text) * scale
+    except ValueError:
+        raise ValueError(f"'{value}' is not a memory size (e.g. 80, 80GiB, 80GB)") from None
+    if not gib > 0:
+        raise ValueError(f"a memory size must be positive, got '{value}'")
+    return gib
+
+
+def _config_path(model: str, revision: str | None) -> tuple[Path, bool]:
+    """(config path, whether it came from the hub): a local or shipped config (``presets``),
+    else a Hugging Face model id's ``config.json``, cached or downloaded."""
+    from attnserve.hub import is_hub_id, resolve_hub_file
+
+    try:
+        return resolve_config_path(model), False
+    except FileNotFoundError:
+        if not is_hub_id(model):
+            raise
+    return resolve_hub_file(model, "config.json", revision), True
+
+
 def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
                  attention_backend: str | None = None, memory_gib: float | None = None,
                  max_model_len: int | None = None, block_size: int = 16, use_mla: bool = True,
-                 tensor_parallel_size: int = 1) -> InspectReport:
+                 tensor_parallel_size: int = 1, device_memory_gib: float | None = None,
+                 gpu_memory_utilization: float = 0.9, revision: str | None = None) -> InspectReport:
     """The engine's plan for ``model`` with these options, ready to render.
+
+    ``device_memory_gib``: also answer for a whole device of that size: its
+    ``gpu_memory_utilization`` share, less the weights (computed from the config), holds the KV
+    cache. ``model`` may be a Hugging Face id whose ``config.json`` is cached or downloadable.
 
     Raises BackendSelectionError when ``attention_backend`` does not fit, with every reason of
     every layer, and ValueError when the heads do not split over ``tensor_parallel_size`` ranks
     (whose per-rank KV bytes, state and sequences the report then gives)."""
-    path = resolve_config_path(model)
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    path, hub = _config_path(model, revision)
     arch = read_arch(load_hf_config(path), use_mla=use_mla)
     config = EngineConfig.from_kwargs(
         str(path.parent), dtype=dtype, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
         max_model_len=max_model_len or None, block_size=block_size, tensor_parallel_size=tensor_parallel_size)
     plan = plan_engine(arch, config, platform)
     plan.check_forced()
+    notes = _notes(arch, use_mla)
     return InspectReport(
-        name=path.stem.replace("__", "/") if path.name != "config.json" else str(path.parent),
+        name=model if hub else path.stem.replace("__", "/") if path.name != "config.json" else str(path.parent),
         arch=arch, platform=platform, dtype=plan.dtype, kv_cache_dtype=plan.kv_cache_dtype,
         block_size=plan.block_size, max_model_len=plan.max_model_len, rows=_rows(plan),
         kv_bytes_per_token=plan.kv_bytes_per_token, state_bytes_per_sequence=plan.state_bytes_per_sequence,
         bytes_per_sequence=plan.bytes_per_sequence, bytes_per_sequence_no_window=plan.bytes_per_sequence_no_window,
-        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=_notes(arch, use_mla),
+        memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes,
         tensor_parallel_size=plan.tensor_parallel_size,
-        host_latent_bytes_per_token=plan.host_latent_bytes_per_token)
+        host_latent_bytes_per_token=plan.host_latent_bytes_per_token,
+        device=_device_fit(arch, plan, device_memory_gib, gpu_memory_utilization, notes))
+
+
+def _device_fit(arch: ModelArch, plan: EnginePlan, memory_gib: float | None, utilization: float,
+                notes: list[str]) -> DeviceFit | None:
+    """The whole-device answer; None (with a note) when the weights cannot be counted."""
+    if memory_gib is None:
+        return None
+    from attnserve.entrypoints.weight_footprint import weight_footprint  # builds on the meta device
+
+    try:
+        weights = weight_footprint(arch, plan.dtype, plan.tensor_parallel_size)
+    except ValueError as e:  # a family attnserve does not build, a quantisation it does not load
+        notes.append(f"--device-memory: the weights cannot be counted ({e})")
+        return None
+    return DeviceFit(int(memory_gib * GIB), utilization, weights)
 
 
 # --- the plot -----------------------------------------------------------------------------

@@ -47,6 +47,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without sampling params: ``SamplingParams()`` with
+        the model's generation_config.json defaults (none with ``generation_config='vllm'``)."""
+        return self.llm_engine.generation_config.default_sampling_params()
+
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers now (garbage collection does it otherwise)."""
         self.llm_engine.close()
@@ -71,7 +76,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -100,13 +105,31 @@ class LLM:
         return [finals[rid] for rid in order]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool | Callable[..., Any] = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | Callable[..., Any] = True,
+             add_generation_prompt: bool = True, *, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Render each conversation with a chat template and generate, as vLLM's ``LLM.chat``.
+
+        Args:
+            messages: one conversation (a list of messages) or a list of them.
+            chat_template: a template (Jinja source, or the path of a file holding one) instead
+                of the model's own; the only way to chat with a model that has none.
+            chat_template_kwargs: further template variables (``enable_thinking``, ...).
+            tools: tool JSON schemas, handed to the template.
+        Returns:
+            One output per conversation; its ``prompt`` is the rendered text.
+        """
+        from attnserve.tokenizer import load_chat_template
+
         tok = self.get_tokenizer()
+        template = load_chat_template(chat_template)
         batch = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [tok.apply_chat_template(m, add_generation_prompt=add_generation_prompt) for m in batch]
-        return self.generate([{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts],
-                             sampling_params, use_tqdm=use_tqdm)
+        prompts = [tok.apply_chat_template(m, add_generation_prompt=add_generation_prompt, tools=tools,
+                                           chat_template=template, **(chat_template_kwargs or {}))
+                   for m in batch]
+        return self.generate([{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)}
+                              for p in prompts], sampling_params, use_tqdm=use_tqdm)
 
 
 def _progress(total: int, bar: bool | Callable[..., Any]):

@@ -5,7 +5,9 @@ Each layer is MLA attention (``layers/mla.py``) and an MLP: a dense SwiGLU MLP f
 ``first_k_dense_replace`` layers (``LayerSpec.moe`` False), DeepSeek MoE after them (routed
 experts with softmax greedy / group-limited greedy (V2) or sigmoid noaux_tc with a correction
 bias (V3, V3.2, Kimi-K2, GLM-5), plus shared experts; ``layers/moe.py``). Kimi-K2 is
-DeepSeek-V3 under its own model type. DeepSeek-V3.2 and GLM-5 are the same decoder with DSA
+DeepSeek-V3 under its own model type. A config without MLA (``kv_lora_rank`` null, or
+``qk_nope_head_dim`` and ``qk_rope_head_dim`` both 0) gets Llama's attention, as in vLLM.
+DeepSeek-V3.2 and GLM-5 are the same decoder with DSA
 attention (``LayerKind.SPARSE_MLA``: the lightning indexer selects each token's top-k keys);
 each layer hands its top-k to the next as the skeleton's carry, so that a GLM-5 "shared" layer
 reuses the previous full layer's selection (None before the first sparse layer and for dense
@@ -21,11 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnserve.arch import LayerSpec, ModelArch
+from attnserve.arch import LayerSpec, LlamaOptions, ModelArch
 from attnserve.layers.mla import MLAAttention
 from attnserve.layers.moe import DeepseekMoE, GatedMLP
 from attnserve.layers.norm import RMSNorm
 from attnserve.models.base import CausalLM, dense_width
+from attnserve.models.llama import LlamaAttention
 
 __all__ = ["DeepseekForCausalLM"]
 
@@ -33,7 +36,9 @@ __all__ = ["DeepseekForCausalLM"]
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, spec: LayerSpec):
         super().__init__()
-        self.self_attn = MLAAttention(arch, spec)
+        # a config without MLA dims (or kv_lora_rank null) has plain attention layers, as in vLLM
+        self.plain = spec.mla is None
+        self.self_attn = LlamaAttention(arch, spec, LlamaOptions()) if self.plain else MLAAttention(arch, spec)
         if spec.moe:
             self.mlp: nn.Module = DeepseekMoE(arch)
         else:
@@ -46,9 +51,11 @@ class DeepseekDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, topk_indices: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(positions [T], hidden [T, D], previous top-k) -> (hidden [T, D], this layer's top-k)."""
-        attn, topk_indices = self.self_attn.forward_with_topk(
-            positions, self.input_layernorm(hidden), topk_indices
-        )
+        x = self.input_layernorm(hidden)
+        if self.plain:
+            attn = self.self_attn(positions, x)
+        else:
+            attn, topk_indices = self.self_attn.forward_with_topk(positions, x, topk_indices)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), topk_indices
 

@@ -195,6 +195,7 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running (or startable) engine; its lifespan stops the engine.
 
@@ -203,11 +204,12 @@ def build_app(
         served_model_name: the only model name requests may ask for.
         api_key: when given, every route but ``/health`` requires it as a bearer token.
         limits: body size, ``n``, prompts per request, request-sent chat templates.
+        chat_template: a template's source, used instead of the model's own (``--chat-template``).
     """
     limits = limits or ServerLimits()
     metrics = ServerMetrics(served_model_name, engine.stats, engine.max_model_len, engine.cache_info)
     completion = OpenAIServingCompletion(engine, served_model_name, metrics, limits)
-    chat = OpenAIServingChat(engine, served_model_name, metrics, limits)
+    chat = OpenAIServingChat(engine, served_model_name, metrics, limits, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -301,11 +303,17 @@ def run_server(
     log_level: str = "info",
     limits: ServerLimits | None = None,
     log_stats_interval: float | None = None,
+    chat_template: str | None = None,
 ) -> None:
-    """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``);
-    ``log_stats_interval``: seconds between throughput lines in the log (None: none)."""
+    """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``).
+
+    ``log_stats_interval``: seconds between throughput lines in the log (None: none);
+    ``chat_template``: a template, or the path of a file holding one (``--chat-template``)."""
     import uvicorn
 
+    from attnserve.tokenizer import load_chat_template
+
+    template = load_chat_template(chat_template)  # a bad path fails before the model loads
     engine = AsyncLLMEngine.from_kwargs(model, log_stats_interval=log_stats_interval, **engine_kwargs)
-    app = build_app(engine, served_model_name or model, api_key, limits)
+    app = build_app(engine, served_model_name or model, api_key, limits, template)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

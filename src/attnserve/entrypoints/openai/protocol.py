@@ -310,6 +310,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # vLLM's: rendered only by a server that trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
     # reaches the chat template as the variable ``reasoning_effort`` (as vLLM passes it);
     # templates that do not read it ignore it

@@ -45,11 +45,12 @@ __all__ = ["OpenAIServingChat"]
 
 class OpenAIServingChat:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, chat_template: str | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits or ServerLimits()
+        self.chat_template = chat_template  # --chat-template: instead of the model's own
 
     async def create(
         self, req: ChatCompletionRequest
@@ -68,9 +69,9 @@ class OpenAIServingChat:
         max_tokens = check_context(
             len(ids), req.requested_max_tokens, self.engine.max_model_len, prompt_param="messages"
         )
-        params = check_for_model(
-            req.to_sampling_params(max_tokens), self.engine.vocab_size, self.engine.max_logprobs
-        )
+        # the model's generation_config.json defaults for the fields the request leaves out
+        params = self.engine.generation_config.apply(req.to_sampling_params(max_tokens), req.model_fields_set)
+        params = check_for_model(params, self.engine.vocab_size, self.engine.max_logprobs)
         rid = random_id("chatcmpl")
         stream = self.metrics.track(
             self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival
@@ -104,18 +105,26 @@ class OpenAIServingChat:
 
     def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.engine.tokenizer
-        if tok is None or not tok.has_chat_template:
-            raise OpenAIError(
-                "this model has no chat template; use /v1/completions", param="messages"
-            )
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-        if "chat_template" in kwargs and not self.limits.trust_request_chat_template:
+        # a template the request sends (vLLM's field, or inside chat_template_kwargs), if trusted
+        sent = [(name, t) for name, t in (("chat_template", req.chat_template),
+                                          ("chat_template_kwargs", kwargs.pop("chat_template", None)))
+                if t is not None]
+        if sent and not self.limits.trust_request_chat_template:
             raise OpenAIError(
                 "chat templates sent in a request are not rendered by this server (start it with "
                 "--trust-request-chat-template to allow them)",
-                param="chat_template_kwargs",
+                param=sent[0][0],
+            )
+        template = sent[0][1] if sent else self.chat_template
+        if tok is None or (template is None and not tok.has_chat_template):
+            raise OpenAIError(
+                "this model has no chat template: start the server with --chat-template (a file or "
+                "a template), send chat_template (with --trust-request-chat-template), or use "
+                "/v1/completions",
+                param="messages",
             )
         from jinja2 import TemplateError
 
@@ -123,6 +132,7 @@ class OpenAIServingChat:
             text = tok.apply_chat_template(
                 [m.for_template() for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
+                chat_template=template,
                 **kwargs,
             )
         except (ValueError, TypeError, TemplateError) as e:

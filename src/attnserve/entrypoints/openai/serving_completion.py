@@ -130,10 +130,14 @@ class OpenAIServingCompletion:
         prompts = await asyncio.to_thread(
             lambda: [self._prompt_ids(p, req.add_special_tokens) for p in texts]
         )
+        defaults = self.engine.generation_config  # the model's, for the fields the request leaves out
         params = [
             check_for_model(
-                req.to_sampling_params(
-                    check_context(len(ids), req.max_tokens, self.engine.max_model_len)
+                defaults.apply(
+                    req.to_sampling_params(
+                        check_context(len(ids), req.max_tokens, self.engine.max_model_len)
+                    ),
+                    req.model_fields_set,
                 ),
                 self.engine.vocab_size,
                 self.engine.max_logprobs,
