@@ -73,7 +73,11 @@ COMPLETION_CASES = [  # (body, status, param)
     ({"model": MODEL_NAME, "prompt": "x", "logprobs": 30}, 400, "logprobs"),
     ({"model": MODEL_NAME, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"model": MODEL_NAME, "prompt": "x", "best_of": 3}, 400, "best_of"),
-    ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"5000": 10}}, 400, "logit_bias"),  # > vocab
+    ({"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": [1, 4096]}, 400, "allowed_token_ids"),
+    ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "[a-"}, 400, "guided_regex"),
+    ({"model": MODEL_NAME, "prompt": "x", "structured_outputs": {"json": {"type": "objec"}}}, 400,
+     "structured_outputs"),
     ({"model": MODEL_NAME, "prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     # values that once failed inside an engine step (killing the engine thread) or came back as
     # 200 / 500: an int64 overflow in the sampler's tensors, NaN sampling floats, a huge seed,
@@ -130,10 +134,11 @@ CHAT_CASES = [
             "tools": [{"type": "function", "function": {"name": "f"}}],
         },
         400,
-        "tools",
+        "tool_choice",  # "auto" by default: no tool-call parser
     ),
     (
-        {"model": MODEL_NAME, "messages": MSG, "response_format": {"type": "json_object"}},
+        {"model": MODEL_NAME, "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
         400,
         "response_format",
     ),

@@ -112,6 +112,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.arch.vocab_size
+        self.structured = engine.structured  # compile() is thread-safe (the server compiles ahead)
         self.model = engine.config.model.model
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stats = EngineStats()
