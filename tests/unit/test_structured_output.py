@@ -24,7 +24,7 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 # strings are bounded by a pattern: xgrammar 0.2.9 lets a maxLength string hold raw control
-# characters, which strict JSON parsers refuse (docs/structured_output.md)
+# characters, which strict JSON parsers refuse (docs/architecture.md)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -136,7 +136,9 @@ def test_byte_tokenizer_vocabulary():
     from attnserve.engine.structured_output import StructuredOutputManager
     from attnserve.tokenizer import ByteTokenizer
 
+    assert not StructuredOutputManager(None, 300, [299]).warm_up()  # no tokenizer: none
     manager = StructuredOutputManager(ByteTokenizer(300, eos_token_id=299), 300, [299])
+    assert manager.warm_up()
     grammar = manager.grammar_for(Structured(choice=["ab", "c"]))
     assert grammar.advance(list(b"a")) is None
     row = manager.fill_bitmask([grammar])[0]

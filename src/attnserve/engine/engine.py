@@ -122,9 +122,9 @@ class LLMEngine:
         (``prompt``: its text, or None); the outputs carry that text."""
         params = params or SamplingParams()
         text, ids = prompt, self.truncate_prompt(prompt_token_ids, params)
-        if len(ids) < len(prompt_token_ids):
-            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
         self.check_prompt(ids, params)
+        if len(ids) < len(prompt_token_ids):  # the outputs carry the text of what was kept
+            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.states:
             raise ValueError(f"request id '{request_id}' is already in use")

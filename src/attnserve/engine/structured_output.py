@@ -127,6 +127,16 @@ class StructuredOutputManager:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
 
+    def warm_up(self) -> bool:
+        """Import xgrammar and read the vocabulary now, if xgrammar is installed and the model
+        has a tokenizer (a server does this before its first request: the import holds the
+        interpreter for seconds). Whether structured output is available."""
+        try:
+            self._get_compiler()
+        except ValueError:
+            return False
+        return True
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params`` (from the cache when compiled before).
 

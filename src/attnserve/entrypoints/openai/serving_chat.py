@@ -200,12 +200,10 @@ class OpenAIServingChat:
                         p = progress[c.index]
                         if p.done:
                             continue
+                        if tool_mode is not None and not c.finished:
+                            continue  # tool calls go out whole, with the choice's last chunk
                         text, t0, t1 = p.advance(c, hold)
-                        delta = DeltaMessage(content=text)
-                        if tool_mode is not None:  # tool calls go out whole, with the last chunk
-                            if not c.finished:
-                                continue
-                            delta = _tool_delta(req, c.text)
+                        delta = DeltaMessage(content=text) if tool_mode is None else _tool_delta(req, c.text)
                         if text or t1 > t0 or c.finished:
                             choices.append(
                                 ChatStreamChoice(
