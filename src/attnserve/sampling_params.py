@@ -1,13 +1,26 @@
-"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM's fields)."""
+"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM's fields), and
+StructuredOutputsParams: the grammar a request's output must follow (vLLM's names).
+
+Both check the types and ranges of what they hold, for any model; what depends on the model
+(token ids below its vocabulary) is ``engine.check_params_for_model``'s, and compiling a
+grammar is ``engine/structured_output.py``'s.
+"""
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["INT64_MAX", "SamplingParams"]
+__all__ = ["INT64_MAX", "MAX_BAD_WORDS", "SamplingParams", "StructuredOutputsParams"]
 
 INT64_MAX = 2**63 - 1  # integer fields become int64 tensors in the sampler
+MAX_BAD_WORDS = 128  # words per request (each is banned in up to two tokenisations)
+MAX_BAD_WORD_CHARS = 256
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar, in characters
+MAX_CHOICES = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -16,6 +29,90 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One constraint on the output, as vLLM's ``StructuredOutputsParams``: exactly one of
+    ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the output is one of
+    these strings), ``grammar`` (xgrammar's EBNF) or ``json_object`` (any JSON object).
+
+    ``disable_any_whitespace`` makes JSON compact (no free whitespace between tokens, which
+    small models otherwise fill). ``disable_additional_properties`` is accepted for vLLM's
+    sake: objects already admit no property their schema does not name (xgrammar's strict
+    mode). Not supported: ``structural_tag``, ``whitespace_pattern``, Lark grammars.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                if len(self.json) > MAX_GRAMMAR_CHARS:
+                    raise ValueError(f"structured_outputs.json is longer than {MAX_GRAMMAR_CHARS} characters")
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            else:
+                schema = self.json
+                try:
+                    size = len(self.schema_text())
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
+                if size > MAX_GRAMMAR_CHARS:
+                    raise ValueError(f"structured_outputs.json is longer than {MAX_GRAMMAR_CHARS} characters")
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), "
+                                 f"got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string of at most "
+                                 f"{MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if (not isinstance(self.choice, list) or not 0 < len(self.choice) <= MAX_CHOICES
+                    or any(not isinstance(c, str) for c in self.choice)
+                    or sum(len(c) for c in self.choice) > MAX_GRAMMAR_CHARS):
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} strings")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when given")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, n) is not None)
+
+    def schema_text(self) -> str:
+        """``json`` as compact JSON text."""
+        schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+        return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+    def cache_key(self) -> tuple:
+        """What the compiled grammar depends on (equal keys compile to the same grammar)."""
+        spec: Any = getattr(self, self.kind)
+        if self.kind == "json":  # the same schema however it is spaced (key order matters)
+            spec = self.schema_text()
+        elif self.kind == "choice":
+            spec = tuple(spec)
+        return (self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties)
 
 
 @dataclass(slots=True)
@@ -39,6 +136,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k per prompt position (plus the prompt token)
     skip_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words whose last token is banned where it would end one
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: what fits)
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,7 +155,37 @@ class SamplingParams:
             else:
                 raise ValueError(f"{name} must be a list, got {type(value).__name__}")
             setattr(self, name, value)
+        self._normalize_new_fields()
         self._validate()
+
+    def _normalize_new_fields(self) -> None:
+        """``logit_bias`` keys as ints (JSON sends "123"), lists as lists, a dict as
+        ``StructuredOutputsParams``; the checks come in ``_validate``."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, got "
+                                 f"{type(self.logit_bias).__name__}")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    token = key if _is_int(key) else int(key) if isinstance(key, str) else None
+                except ValueError:
+                    token = None
+                if token is None:
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                bias[token] = value
+            self.logit_bias = bias
+        for name in ("allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                setattr(self, name, list(value))
+            elif value is not None and not isinstance(value, list):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"structured_outputs: {e}") from None
 
     def _validate(self) -> None:  # noqa: C901 - a flat list of checks reads best
         """Every field's type and range, so that nothing a request carries can fail inside an
@@ -102,6 +234,33 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids[:8]!r}")
+        self._validate_logit_edits(bad)
+
+    def _validate_logit_edits(self, bad) -> None:
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens, structured_outputs;
+        the engine bounds the token ids by the vocabulary (``check_params_for_model``)."""
+        if self.logit_bias is not None:
+            for token, value in self.logit_bias.items():
+                if not 0 <= token <= INT64_MAX:
+                    bad(f"logit_bias keys must be non-negative token ids, got {token}")
+                if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids must not be empty (leave it out to allow every token)")
+            if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.allowed_token_ids):
+                bad(f"allowed_token_ids must be non-negative integers, got {self.allowed_token_ids[:8]!r}")
+        if self.bad_words is not None:
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                bad(f"bad_words has {len(self.bad_words)} words, more than {MAX_BAD_WORDS}")
+            if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+                bad(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (t == -1 or 1 <= t <= INT64_MAX)):
+            bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {t!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad(f"structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}")
 
     def child_seed(self, index: int) -> int | None:
         """The seed of the ``index``-th of ``n`` completions: ``seed + index``, within int64."""
@@ -110,3 +269,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler has a bias or an allowed set to apply (bans come separately)."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None

@@ -106,6 +106,11 @@ def test_prompt_forms():
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"frequency_penalty": -3.0}, "frequency_penalty"),
         ({"n": 0}, "n"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_sampling_values_become_400(kw, param):
@@ -120,8 +125,10 @@ def test_bad_sampling_values_become_400(kw, param):
     [
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"logprobs": -1}, "logprobs"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_regex": "a", "structured_outputs": {"choice": ["b"]}}, "guided_regex"),
+        ({"structured_outputs": {"json": "{", "regex": None}}, "structured_outputs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -135,7 +142,9 @@ def test_chat_unsupported_parameters():
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     for extra, param in (
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto"
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ):

@@ -73,11 +73,15 @@ COMPLETION_CASES = [  # (body, status, param)
     ({"model": MODEL_NAME, "prompt": "x", "logprobs": 30}, 400, "logprobs"),
     ({"model": MODEL_NAME, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"model": MODEL_NAME, "prompt": "x", "best_of": 3}, 400, "best_of"),
-    ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     # unknown fields are ignored (tests/server/test_vllm_compat.py), but not those whose neglect
     # would change the result
     ({"model": MODEL_NAME, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
     ({"model": MODEL_NAME, "prompt": "x", "prompt_logprobs": 2}, 400, "prompt_logprobs"),
+    ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"5000": 10}}, 400, "logit_bias"),  # > vocab
+    ({"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": [1, 4096]}, 400, "allowed_token_ids"),
+    ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "[a-"}, 400, "guided_regex"),
+    ({"model": MODEL_NAME, "prompt": "x", "structured_outputs": {"json": {"type": "objec"}}}, 400,
+     "structured_outputs"),
     # values that once failed inside an engine step (killing the engine thread) or came back as
     # 200 / 500: an int64 overflow in the sampler's tensors, NaN sampling floats, a huge seed,
     # logprobs beyond the vocabulary, stop tokens outside it
@@ -133,10 +137,11 @@ CHAT_CASES = [
             "tools": [{"type": "function", "function": {"name": "f"}}],
         },
         400,
-        "tools",
+        "tool_choice",  # "auto" by default: no tool-call parser
     ),
     (
-        {"model": MODEL_NAME, "messages": MSG, "response_format": {"type": "json_object"}},
+        {"model": MODEL_NAME, "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
         400,
         "response_format",
     ),

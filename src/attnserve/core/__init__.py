@@ -6,10 +6,17 @@ the runner, ``RunnerOutput`` back) and the per-step ``ForwardContext`` the layer
 
 from attnserve.core.forward_context import ForwardContext, forward_context, get_forward_context
 from attnserve.core.request import Request, RequestStatus
-from attnserve.core.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from attnserve.core.step import (
+    GrammarBitmask,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 
 __all__ = [
     "ForwardContext",
+    "GrammarBitmask",
     "Request",
     "RequestStatus",
     "RunnerOutput",

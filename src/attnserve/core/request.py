@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,12 @@ class Request:
     num_prompt_logprobs_done: int = 0
     first_token_time: float | None = None
     cacheable: bool = True  # False: never served from or stored in the prefix cache
+    # bad_words as token sequences: the last token of each is banned where the output ends
+    # with the others (``layers/sampler.bad_words_bans``)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # structured output: the engine's matcher (``engine/structured_output.RequestGrammar``),
+    # advanced by each appended output token; None for an unconstrained request
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -93,10 +100,12 @@ class Request:
     @property
     def needs_host_tokens(self) -> bool:
         """Sampling reads this request's latest outputs on the host (penalties, a min_tokens ban
-        that may still apply), so its next step cannot be scheduled before they are back."""
+        that may still apply, a grammar's next mask, bad words of several tokens), so its next
+        step cannot be scheduled before they are back."""
         p = self.sampling_params
         return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-                or self.num_output_tokens < p.min_tokens
+                or self.num_output_tokens < p.min_tokens or self.grammar is not None
+                or any(len(w) > 1 for w in self.bad_words_token_ids)
                 or (p.prompt_logprobs is not None and self.num_prompt_logprobs_done < self.num_prompt_tokens - 1))
 
     @property

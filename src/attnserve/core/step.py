@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from attnserve.core.request import Request
 from attnserve.kvcache.offload.manager import LoadJob, StoreJob
 
-__all__ = ["RunnerOutput", "ScheduledRequest", "SchedulerOutput", "TokenLogprobs"]
+__all__ = ["GrammarBitmask", "RunnerOutput", "ScheduledRequest", "SchedulerOutput", "TokenLogprobs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +29,20 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarBitmask:
+    """Structured output: the tokens each constrained request that samples this step may take."""
+
+    request_ids: tuple[str, ...]
+    bitmask: torch.Tensor  # [len(request_ids), ceil(V / 32)] int32, host; bit j of word i: token 32i + j
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[str, ...] = ()
     state_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) state slots, before the forward
     offload: tuple[StoreJob, list[LoadJob]] | None = None  # copies to and from the offload tier
+    grammar_bitmask: GrammarBitmask | None = None  # set by the engine when a request has a grammar
 
     @property
     def num_tokens(self) -> int:

@@ -169,6 +169,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.arch.vocab_size
+        self.structured = engine.structured  # compile() is thread-safe (the server compiles ahead)
         self.model = engine.config.model.model
         self.max_logprobs = engine.config.model.max_logprobs
         cache = engine.config.cache

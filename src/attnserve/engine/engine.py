@@ -10,27 +10,35 @@ launches the next forward before it reads back the one before, so the host's sch
 input preparation and output processing run while the device computes: ``step`` returns the
 outputs of the previous forward. A step falls back to the plain order when a running request's
 sampling needs its latest tokens on the host (penalties, ``min_tokens``, prompt logprobs
-still being computed).
+still being computed, a grammar, bad words of several tokens).
+
+Structured output: a request with ``structured_outputs`` gets a matcher per completion
+(``engine/structured_output.py``); before each step the engine fills the bitmask of those
+that sample in it (``SchedulerOutput.grammar_bitmask``), and after it advances each matcher
+by the appended token. A matcher that refuses a token finishes its request with "error";
+one that reaches the end of its grammar (its stop token taken) finishes it with "stop".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import Any
 
 from attnserve.config import EngineConfig
 from attnserve.core.request import Request, RequestStatus
-from attnserve.core.step import RunnerOutput, SchedulerOutput
+from attnserve.core.step import GrammarBitmask, RunnerOutput, SchedulerOutput
 from attnserve.engine.builder import EngineParts, build_engine_parts
 from attnserve.engine.output_processor import CompletionState, RequestState, make_detokenizer
 from attnserve.engine.scheduler import Scheduler
+from attnserve.engine.structured_output import StructuredOutputManager
 from attnserve.generation_config import load_generation_config
 from attnserve.outputs import RequestOutput
 from attnserve.runner.model_runner import StepHandle
 from attnserve.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine", "PromptError"]
+__all__ = ["LLMEngine", "PromptError", "check_params_for_model", "truncate_prompt_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +81,8 @@ class LLMEngine:
         if logger.isEnabledFor(logging.INFO):
             for line in self.startup_summary():
                 logger.info("%s", line)
+        self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
+        self._constrained: set[str] = set()  # live requests (completions) with a grammar
 
     def _async_allowed(self, wanted: bool | None) -> bool:
         """Async scheduling needs a forward whose outcome depends only on what the device has:
@@ -167,11 +177,14 @@ class LLMEngine:
         """Check and queue a prompt that ``tokenize`` turned into ``(prompt, prompt_token_ids)``
         (``prompt``: its text, or None); the outputs carry that text."""
         params = params or SamplingParams()
-        text, ids = prompt, prompt_token_ids
+        text, ids = prompt, self.truncate_prompt(prompt_token_ids, params)
         self.check_prompt(ids, params)
+        if len(ids) < len(prompt_token_ids):  # the outputs carry the text of what was kept
+            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.states:
             raise ValueError(f"request id '{request_id}' is already in use")
+        bad_words = self.bad_words_token_ids(params)
         completions = []
         for i in range(params.n):
             child_params = params
@@ -180,7 +193,10 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, ids, child_params, eos_token_ids=self.eos_token_ids,
                           block_size=self.config.cache.block_size, prompt=text,
-                          cacheable=not self._uncacheable)
+                          cacheable=not self._uncacheable, bad_words_token_ids=bad_words)
+            if params.structured_outputs is not None:  # compiled (or found) by check_prompt
+                req.grammar = self.structured.grammar_for(params.structured_outputs)
+                self._constrained.add(child_id)
             completions.append(CompletionState(req, i, make_detokenizer(self.tokenizer, req)))
         # vLLM's shape: one entry per prompt token, the first None (a one-token prompt: [None])
         first = [None] if params.prompt_logprobs is not None else None
@@ -191,13 +207,45 @@ class LLMEngine:
             self.scheduler.add_request(c.request)
         return request_id
 
+    def truncate_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        return truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """``bad_words`` as token sequences, as vLLM tokenises them: each word without its leading
+        spaces, and with one space before it where that starts with another token of the
+        same count (a word inside a text)."""
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise PromptError("bad_words needs the model's tokenizer, and this model has none")
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise PromptError(f"bad_words: {word!r} is no token at all")
+            sequences.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        return sequences
+
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """Raises PromptError for a request the engine cannot serve: prompt token ids empty, out of
-        the vocabulary or with no room for a generated token within ``max_model_len``; sampling
-        parameters that only this model bounds (``logprobs`` and ``prompt_logprobs`` above the
-        vocabulary size, stop token ids outside it). ``SamplingParams`` checked the rest."""
+        the vocabulary or with no room for a generated token within ``max_model_len`` (after
+        ``truncate_prompt_tokens``); sampling parameters that only this model bounds
+        (``logprobs`` and ``prompt_logprobs`` above the vocabulary size, token ids outside it);
+        ``bad_words`` this tokenizer cannot encode; a ``structured_outputs`` constraint that
+        does not compile (compiled here, then found in the cache). ``SamplingParams`` checked
+        the rest."""
         vocab = self.arch.vocab_size
         check_params_for_model(params, vocab, self.config.model.max_logprobs)
+        ids = self.truncate_prompt(ids, params)
+        self.bad_words_token_ids(params)
+        if params.structured_outputs is not None:
+            try:
+                self.structured.compile(params.structured_outputs)
+            except ValueError as e:
+                raise PromptError(str(e)) from e
         if not ids:
             raise PromptError("the prompt is empty")
         if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
@@ -222,6 +270,7 @@ class LLMEngine:
 
     def _forget(self, child_id: str) -> None:
         self._child_to_state.pop(child_id, None)
+        self._constrained.discard(child_id)
         self.scheduler.release(child_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -240,7 +289,7 @@ class LLMEngine:
         With async scheduling the outputs are those of the forward launched by the call before,
         read back while this call's forward runs."""
         if not self.async_scheduling:
-            sched_out = self.scheduler.schedule()
+            sched_out = self._with_bitmask(self.scheduler.schedule())
             if sched_out.is_empty:
                 return []
             try:
@@ -253,7 +302,7 @@ class LLMEngine:
             outputs = self._finish_pending(final_only)  # this step's sampling needs those tokens
             if not self.async_scheduling:  # its read-back failed: recovery goes step by step
                 return outputs
-        sched_out = self.scheduler.schedule()
+        sched_out = self._with_bitmask(self.scheduler.schedule())
         handle = None
         if not sched_out.is_empty:
             try:
@@ -273,6 +322,27 @@ class LLMEngine:
             if not self.states:  # every request it ran has ended: nothing of it will be read
                 self._finish_pending(final_only)
         return outputs
+
+    def _with_bitmask(self, sched_out: SchedulerOutput) -> SchedulerOutput:
+        """``sched_out`` with the grammar bitmask of each constrained request that samples in it
+        (their matchers are current: such a request needs its tokens back before a step)."""
+        if not self._constrained:
+            return sched_out
+        reqs = [s.request for s in sched_out.scheduled if s.samples and s.request.grammar is not None]
+        if not reqs:
+            return sched_out
+        bitmask = self.structured.fill_bitmask([r.grammar for r in reqs])
+        return dataclasses.replace(
+            sched_out, grammar_bitmask=GrammarBitmask(tuple(r.request_id for r in reqs), bitmask))
+
+    def _advance_grammar(self, req: Request) -> None:
+        """Feed the request's new output token to its matcher; finish it on a refused token
+        ("error") or once the grammar is complete ("stop")."""
+        error = req.grammar.advance(req.output_token_ids)
+        if error is not None:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR, error)
+        elif req.grammar.terminated:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _finish_pending(self, final_only: bool) -> list[RequestOutput]:
         sched_out, handle = self._pending
@@ -336,6 +406,8 @@ class LLMEngine:
             stop = state.add_token(c, run_out.logprobs.get(req.request_id))
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            if req.grammar is not None and not req.is_finished:
+                self._advance_grammar(req)
             if req.is_finished:
                 state.finish(c)
             touched[state.request_id] = state
@@ -349,6 +421,15 @@ class LLMEngine:
                 for c in state.completions:
                     self._forget(c.request.request_id)
         return outputs
+
+
+def truncate_prompt_ids(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The last ``keep`` tokens of the prompt (``truncate_prompt_tokens``; -1: the last
+    ``max_model_len - 1``, room for one generated token); all of it for None."""
+    if keep is None:
+        return ids
+    keep = max_model_len - 1 if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def check_params_for_model(params: SamplingParams, vocab_size: int, max_logprobs: int = -1) -> None:
@@ -365,9 +446,11 @@ def check_params_for_model(params: SamplingParams, vocab_size: int, max_logprobs
                               "(the max_logprobs engine option raises it)")
         if value is not None and value > vocab_size:
             raise PromptError(f"{name} is {value}, more than the vocabulary's {vocab_size} tokens")
-    outside = [t for t in params.stop_token_ids if t >= vocab_size]
-    if outside:
-        raise PromptError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise PromptError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
 
 
 def _on(flag: bool) -> str:

@@ -1,9 +1,12 @@
 """The sampler: from one step's logits to next tokens and their logprobs (vLLM V1 semantics).
 
 The model runner builds one ``SamplingBatch`` per step for the rows that sample a token and
-calls ``Sampler`` on their logits ``[N, V]``. Per row, in order: banned tokens (``min_tokens``)
--> repetition, frequency and presence penalties -> greedy rows take the argmax -> temperature
--> top-k -> top-p -> min-p -> an exponential-race draw. Logprobs come from the raw logits.
+calls ``Sampler`` on their logits ``[N, V]``. Per row, in order: the structured-output grammar's
+bitmask -> ``allowed_token_ids`` -> banned tokens (``min_tokens``, ``bad_words``) ->
+``logit_bias`` -> repetition, frequency and presence penalties -> greedy rows take the argmax
+-> temperature -> top-k -> top-p -> min-p -> an exponential-race draw. Logprobs come from the
+logits after the grammar's bitmask only (as vLLM's). Each of these is a few tensor operations
+over the rows that use it, and none runs (nor builds a tensor) when no row does.
 
 Top-k and top-p keep ties: top-k keeps every token whose logit is at least the k-th largest;
 top-p keeps every token for which the mass of the tokens with a strictly larger logit is below
@@ -30,8 +33,11 @@ __all__ = [
     "SamplerOutput",
     "SamplingBatch",
     "apply_penalties",
+    "apply_token_bitmask",
+    "bad_words_bans",
     "gather_logprobs",
     "sampling_probs",
+    "unpack_bitmask",
 ]
 
 _GREEDY_EPS = 1e-5  # temperature below this means greedy (SamplingParams.greedy)
@@ -67,6 +73,12 @@ class SamplingBatch:
     all_greedy: bool = False
     all_random: bool = False
     max_top_k: int | None = None  # the largest enabled top_k, known on the host (no device sync)
+    # (rows [K], token ids [K], biases [K] float32): logit_bias of every row, flattened
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (restricted rows [R], index into them [K], token ids [K]): allowed_token_ids, flattened
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows [R], packed bitmask [R, ceil(V / 32)] int32): structured output's allowed tokens
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         n = self.num_rows
@@ -100,6 +112,7 @@ class SamplingBatch:
         prompt_token_ids: Sequence[list[int]],
         banned_token_ids: Sequence[list[int]] | None,
         device: torch.device | str,
+        token_bitmask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingBatch:
         """Build the batch from each row's request settings.
 
@@ -111,6 +124,8 @@ class SamplingBatch:
             banned_token_ids: per row, token ids that must not be sampled this step (eos and
                 stop ids while the output is shorter than ``min_tokens``); None for none.
             device: where the tensors go (the logits' device).
+            token_bitmask: (rows, ``[len(rows), ceil(V / 32)]`` int32 host bitmask) for rows
+                whose grammar limits the next token; None for none.
 
         Returns:
             A ``SamplingBatch``; optional tensors are None when no row uses them.
@@ -127,6 +142,11 @@ class SamplingBatch:
             banned_token_ids = None
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         top_ks = [p.top_k for p in params if p.top_k > 0]
+        bias = allowed = None
+        if any(p.edits_logits for p in params):
+            bias, allowed = _logit_edits(params, device)
+        if token_bitmask is not None:
+            token_bitmask = (_on(device, token_bitmask[0], torch.int64), to_device(token_bitmask[1], device))
         return cls(
             temperature=_on(device, temps, torch.float32),
             top_k=column([max(p.top_k, 0) for p in params], torch.int64, 0),
@@ -143,7 +163,34 @@ class SamplingBatch:
             all_greedy=len(params) > 0 and all(greedy),
             all_random=len(params) > 0 and not any(greedy),
             max_top_k=max(top_ks) if top_ks else None,
+            logit_bias=bias,
+            allowed_token_ids=allowed,
+            token_bitmask=token_bitmask,
         )
+
+
+def _logit_edits(params: Sequence[SamplingParams], device: torch.device | str):
+    """``logit_bias`` and ``allowed_token_ids`` of every row as flat tensors (None if unused)."""
+    bias_rows, bias_ids, bias_values = [], [], []
+    allowed_rows, allowed_index, allowed_ids = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            bias_rows += [i] * len(p.logit_bias)
+            bias_ids += p.logit_bias.keys()
+            bias_values += p.logit_bias.values()
+        if p.allowed_token_ids is not None:
+            allowed_index += [len(allowed_rows)] * len(p.allowed_token_ids)
+            allowed_rows.append(i)
+            allowed_ids += p.allowed_token_ids
+    bias = None
+    if bias_rows:
+        bias = (_on(device, bias_rows, torch.int64), _on(device, bias_ids, torch.int64),
+                _on(device, bias_values, torch.float32))
+    allowed = None
+    if allowed_rows:
+        allowed = (_on(device, allowed_rows, torch.int64), _on(device, allowed_index, torch.int64),
+                   _on(device, allowed_ids, torch.int64))
+    return bias, allowed
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,8 +249,47 @@ def _token_counts(
     return counts
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[R, vocab_size]`` bool from a packed ``[R, W]`` int32 bitmask: token ``32 * i + j`` is
+    bit ``j`` of word ``i`` (xgrammar's layout).
+
+    The words are read as their 4 little-endian bytes, so byte ``b`` of word ``i`` holds tokens
+    ``32 * i + 8 * b`` to ``+ 7``: one uint8 per token is the largest temporary.
+    """
+    num_rows = bitmask.shape[0]
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = (as_bytes.unsqueeze(-1) >> shifts) & 1  # [R, 4W, 8]
+    return bits.view(num_rows, -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``logits`` with ``-inf`` on every token a row's grammar does not allow (the input itself
+    when no row has a grammar; otherwise a copy)."""
+    if batch.token_bitmask is None:
+        return logits
+    rows, bitmask = batch.token_bitmask
+    allowed = unpack_bitmask(bitmask, logits.shape[-1])  # [R, V]
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out
+
+
+def bad_words_bans(bad_words_token_ids: Sequence[list[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """The tokens that would complete a bad word now: the last token of each word whose other
+    tokens end the output so far (a one-token word is always banned)."""
+    n = len(output_token_ids)
+    bans = []
+    for word in bad_words_token_ids:
+        k = len(word) - 1
+        if k == 0 or (k <= n and list(output_token_ids[n - k:]) == word[:-1]):
+            bans.append(word[-1])
+    return bans
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Banned tokens, then repetition (HF), frequency and presence (OpenAI) penalties.
+    """Allowed tokens, banned tokens, logit bias, then repetition (HF), frequency and presence
+    (OpenAI) penalties.
 
     Args:
         logits: ``[N, V]`` raw logits (not modified).
@@ -214,9 +300,17 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """
     logits = logits.to(torch.float32, copy=True)
     vocab_size = logits.shape[-1]
+    if batch.allowed_token_ids is not None:
+        rows, index, ids = batch.allowed_token_ids
+        kept = torch.full((rows.shape[0], vocab_size), float("-inf"), device=logits.device)  # [R, V]
+        kept[index, ids] = logits[rows[index], ids]
+        logits[rows] = kept
     if batch.banned_token_ids is not None:
         rows, ids = _scatter_rows(batch.banned_token_ids, vocab_size, logits.device)
         logits[rows, ids] = float("-inf")
+    if batch.logit_bias is not None:
+        rows, ids, values = batch.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
     if not batch.has_penalties:
         return logits
     output_counts = _token_counts(batch.output_token_ids, vocab_size, logits.device)
@@ -323,10 +417,11 @@ class Sampler(nn.Module):
 
         Returns:
             ``SamplerOutput`` with ``[N]`` int64 tokens and, if any row wants them, logprobs
-            of the raw logits with ``batch.max_num_logprobs`` top tokens.
+            of the logits (grammar bitmask applied) with ``batch.max_num_logprobs`` top tokens.
         """
         if logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, batch {batch.num_rows}")
+        logits = apply_token_bitmask(logits, batch)
         processed = apply_penalties(logits, batch)
         if batch.all_greedy:
             sampled = processed.argmax(dim=-1)

@@ -24,7 +24,7 @@ from attnserve.arch import ModelArch
 from attnserve.attention.backend import Backend
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.core.forward_context import ForwardContext, forward_context
-from attnserve.core.step import RunnerOutput, ScheduledRequest, SchedulerOutput
+from attnserve.core.step import GrammarBitmask, RunnerOutput, ScheduledRequest, SchedulerOutput
 from attnserve.kvcache.groups import KVCacheGroup
 from attnserve.kvcache.spec import CachePolicy
 from attnserve.layers.rotary import RotaryEmbedding
@@ -33,6 +33,7 @@ from attnserve.layers.sampler import (
     Sampler,
     SamplerOutput,
     SamplingBatch,
+    bad_words_bans,
     gather_logprobs,
 )
 from attnserve.platforms import to_device
@@ -210,7 +211,7 @@ class ModelRunner:
         index = rows if self.device.type == "cpu" else self._to_device(np.array(rows, dtype=np.int64))
         logits = self.model.compute_logits(hidden[index])  # [len(rows), V]
         if sample_reqs:
-            out = self._sample(logits[: len(sample_reqs)], sample_reqs)
+            out = self._sample(logits[: len(sample_reqs)], sample_reqs, output.grammar_bitmask)
             self._last_sampled = out.sampled_token_ids
             self._last_rows = {r.request_id: j for j, r in enumerate(sample_reqs)}
             handle.sampled = _to_host(out.sampled_token_ids)
@@ -251,19 +252,26 @@ class ModelRunner:
                 for t in cache.tensors():
                     t[dst].copy_(t[src])
 
-    def _sample(self, logits: torch.Tensor, reqs: list) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, reqs: list, grammar: GrammarBitmask | None = None) -> SamplerOutput:
         params = [r.sampling_params for r in reqs]
         banned = []
         for r in reqs:
             p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
+            # a grammar decides where the output ends: min_tokens does not ban its stop token
+            if r.num_output_tokens < p.min_tokens and r.grammar is None:
                 banned.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids)))
             else:
                 banned.append([])
+            if r.bad_words_token_ids:
+                banned[-1] += bad_words_bans(r.bad_words_token_ids, r.output_token_ids)
+        bitmask = None
+        if grammar is not None:  # the engine filled a row for each constrained request sampling here
+            row = {r.request_id: j for j, r in enumerate(reqs)}
+            bitmask = ([row[rid] for rid in grammar.request_ids], grammar.bitmask)
         batch = SamplingBatch.from_params(
             params, generators=[r.generator for r in reqs], output_token_ids=[r.output_token_ids for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            banned_token_ids=banned if any(banned) else None, device=logits.device)
+            banned_token_ids=banned if any(banned) else None, device=logits.device, token_bitmask=bitmask)
         return self.sampler(logits, batch)
 
     @staticmethod

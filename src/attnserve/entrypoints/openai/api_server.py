@@ -214,6 +214,9 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        # structured output's import (seconds) now, not on a worker thread at the first request,
+        # where it would hold the interpreter and stall every other client
+        await asyncio.to_thread(engine.structured.warm_up)
         yield
         await asyncio.to_thread(engine.shutdown)
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from attnserve.engine.engine import PromptError, check_params_for_model
-from attnserve.sampling_params import SamplingParams
+from attnserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "ChatCompletionRequest",
@@ -33,11 +33,13 @@ __all__ = [
     "DetokenizeResponse",
     "ErrorInfo",
     "ErrorResponse",
+    "FunctionCall",
     "OpenAIError",
     "StreamOptions",
     "TokenizeChatRequest",
     "TokenizeCompletionRequest",
     "TokenizeResponse",
+    "ToolCall",
     "UsageInfo",
     "ServerLimits",
     "check_context",
@@ -206,16 +208,56 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, and the guided_*
+    # fields vLLM had before it (one of them per request)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        self.output_constraint()  # one, well formed
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
 
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """(field, ``StructuredOutputsParams`` keywords) for each field that constrains the output."""
+        found = []
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append((f"guided_{kind}", {kind: value}))
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            found.append(("response_format", _response_format(fmt)))
+        return found
+
+    def output_constraint(self) -> tuple[str | None, StructuredOutputsParams | None]:
+        """The request's structured-output constraint and the field it came from (a 400 when
+        several fields ask for one, or it is malformed)."""
+        found = self._constraints()
+        if not found:
+            return None, None
+        if len(found) > 1:
+            raise OpenAIError(f"a request takes one output constraint, got {[f for f, _ in found]}",
+                              param=found[1][0])
+        field, spec = found[0]
+        try:
+            return field, StructuredOutputsParams(**spec)
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(f"{field}: {e}", param=field) from e
+
     def _sampling(self, max_tokens: int, logprobs: int | None, **extra: Any) -> SamplingParams:
+        _, constraint = self.output_constraint()
         try:
             return SamplingParams(
                 n=self.n,
@@ -235,6 +277,11 @@ class _SamplingFields(_Strict):
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=self.logit_bias,
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                structured_outputs=constraint,
                 **extra,
             )
         except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
@@ -305,7 +352,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -319,10 +365,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise OpenAIError("only the text response_format is supported", param="response_format")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise OpenAIError("tool calling is not supported", param="tools")
+        self.tool_call_mode()  # tools and tool_choice are checked here
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -339,6 +382,86 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def tool_call_mode(self) -> tuple[str | None, dict[str, Any] | None]:
+        """("required", None), ("named", that function), or (None, None) when the output is text.
+
+        A named function or "required" forces output that matches the tools' parameter schemas
+        (structured output); "auto" needs a tool-call parser for the model's own format, which
+        this server does not have, so it is refused (as vLLM refuses it without
+        ``--enable-auto-tool-choice``)."""
+        choice = self.tool_choice
+        functions = _functions(self.tools or [])
+        if choice is None:
+            choice = "auto" if functions else "none"
+        if choice == "none":
+            return None, None
+        if not functions:
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        if choice == "required":
+            return "required", None
+        if choice == "auto":
+            raise OpenAIError('tool_choice "auto" needs a tool-call parser for this model\'s format, '
+                              'which this server does not have; use "required", a named function or '
+                              '"none"', param="tool_choice")
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise OpenAIError('tool_choice must be "none", "auto", "required" or '
+                              '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        if name not in functions:
+            raise OpenAIError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return "named", functions[name]
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        found = super()._constraints()
+        mode, function = self.tool_call_mode()
+        if mode == "named":
+            found.append(("tool_choice", {"json": function.get("parameters") or _EMPTY_OBJECT}))
+        elif mode == "required":
+            found.append(("tool_choice", {"json": _tool_calls_schema(_functions(self.tools))}))
+        return found
+
+
+_EMPTY_OBJECT = {"type": "object", "properties": {}}
+
+
+def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``response_format`` as ``StructuredOutputsParams`` keywords."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise OpenAIError("response_format json_schema needs json_schema.schema, a JSON schema",
+                              param="response_format")
+        return {"json": spec["schema"]}
+    raise OpenAIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                      param="response_format")
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The request's function tools by name (a 400 for anything else)."""
+    out = {}
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise OpenAIError('each tool must be {"type": "function", "function": {"name": ..., '
+                              '"parameters": {...}}}', param="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise OpenAIError(f"tool {fn['name']!r}: parameters must be a JSON schema", param="tools")
+        out[fn["name"]] = fn
+    return out
+
+
+def _tool_calls_schema(functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A JSON array of one or more calls, each ``{"name": ..., "parameters": {...}}`` of a tool."""
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [name]},
+                             "parameters": fn.get("parameters") or _EMPTY_OBJECT},
+              "required": ["name", "parameters"]}
+             for name, fn in functions.items()]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,9 +583,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -482,9 +617,14 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

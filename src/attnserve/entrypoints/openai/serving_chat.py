@@ -4,18 +4,26 @@ The conversation is rendered with the tokenizer's chat template and encoded with
 special tokens (the template writes them), as ``LLM.chat`` does. Streams start with the
 assistant role, then send text deltas, then each choice's finish reason.
 
-Not here: tool calling, images, reasoning parsers; the HTTP layer (``api_server.py``).
+Tool calls: with ``tool_choice`` "required" or a named function the output is forced, through
+structured output, to match the tools' parameter schemas, and comes back as ``tool_calls``
+(a stream sends them whole with the choice's last chunk). "auto" is refused: it needs a parser
+for each model's own tool-call format.
+
+Not here: tool-call parsers for "auto", images, reasoning parsers; the HTTP layer
+(``api_server.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 
 from attnserve.detokenizer import decode_token
 from attnserve.engine.async_engine import AsyncLLMEngine
+from attnserve.engine.engine import truncate_prompt_ids
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
     ChatChoice,
@@ -25,10 +33,13 @@ from attnserve.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatStreamChoice,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     OpenAIError,
     ResponseMessage,
     ServerLimits,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     check_context,
@@ -37,7 +48,11 @@ from attnserve.entrypoints.openai.protocol import (
     random_id,
     sse,
 )
-from attnserve.entrypoints.openai.serving_completion import StreamProgress, stop_holdback
+from attnserve.entrypoints.openai.serving_completion import (
+    StreamProgress,
+    compile_constraint,
+    stop_holdback,
+)
 from attnserve.outputs import Logprob, RequestOutput
 
 __all__ = ["OpenAIServingChat"]
@@ -66,12 +81,14 @@ class OpenAIServingChat:
         self.limits.check(req.n)
         # rendering and tokenising are the client's work: off the event loop
         ids = await asyncio.to_thread(self._prompt_ids, req)
+        ids = truncate_prompt_ids(ids, req.truncate_prompt_tokens, self.engine.max_model_len)
         max_tokens = check_context(
             len(ids), req.requested_max_tokens, self.engine.max_model_len, prompt_param="messages"
         )
         # the model's generation_config.json defaults for the fields the request leaves out
         params = self.engine.generation_config.apply(req.to_sampling_params(max_tokens), req.model_fields_set)
         params = check_for_model(params, self.engine.vocab_size, self.engine.max_logprobs)
+        await compile_constraint(self.engine, req, params)
         rid = random_id("chatcmpl")
         stream = self.metrics.track(
             self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival
@@ -87,7 +104,7 @@ class OpenAIServingChat:
         choices = [
             ChatChoice(
                 index=c.index,
-                message=ResponseMessage(content=c.text),
+                message=_message(req, c.text),
                 logprobs=self._logprobs(req, c.token_ids, c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -133,6 +150,7 @@ class OpenAIServingChat:
                 [m.for_template() for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=template,
+                tools=req.tools,
                 **kwargs,
             )
         except (ValueError, TypeError, TemplateError) as e:
@@ -187,6 +205,7 @@ class OpenAIServingChat:
 
         progress = [StreamProgress() for _ in range(req.n)]
         hold = stop_holdback(req.stop)
+        tool_mode, _ = req.tool_call_mode()
         final = None
         try:
             yield chunk(
@@ -202,12 +221,15 @@ class OpenAIServingChat:
                         p = progress[c.index]
                         if p.done:
                             continue
+                        if tool_mode is not None and not c.finished:
+                            continue  # tool calls go out whole, with the choice's last chunk
                         text, t0, t1 = p.advance(c, hold)
+                        delta = DeltaMessage(content=text) if tool_mode is None else _tool_delta(req, c.text)
                         if text or t1 > t0 or c.finished:
                             choices.append(
                                 ChatStreamChoice(
                                     index=c.index,
-                                    delta=DeltaMessage(content=text),
+                                    delta=delta,
                                     logprobs=self._logprobs(
                                         req, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1]
                                     ),
@@ -222,6 +244,34 @@ class OpenAIServingChat:
             err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), status=500)
             yield sse(err.to_response())
         yield sse("[DONE]")
+
+
+def _message(req: ChatCompletionRequest, text: str) -> ResponseMessage:
+    """The assistant's message: its text, or the tool calls its forced JSON holds (the text
+    itself when generation stopped before the JSON was complete)."""
+    mode, function = req.tool_call_mode()
+    if mode == "named":
+        try:
+            json.loads(text)
+        except ValueError:
+            return ResponseMessage(content=text)
+        return ResponseMessage(content="", tool_calls=[
+            ToolCall(function=FunctionCall(name=function["name"], arguments=text))])
+    if mode == "required":
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return ResponseMessage(content=text)
+        return ResponseMessage(content="", tool_calls=[
+            ToolCall(function=FunctionCall(name=call["name"], arguments=json.dumps(call["parameters"])))
+            for call in calls])
+    return ResponseMessage(content=text)
+
+
+def _tool_delta(req: ChatCompletionRequest, text: str) -> DeltaMessage:
+    message = _message(req, text)
+    calls = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls)]
+    return DeltaMessage(content=message.content, tool_calls=calls or None)
 
 
 def _usage(out: RequestOutput) -> UsageInfo:

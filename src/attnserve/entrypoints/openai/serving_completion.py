@@ -21,8 +21,10 @@ from typing import Any, TypeVar
 
 from attnserve.detokenizer import decode_token
 from attnserve.engine.async_engine import AsyncLLMEngine
+from attnserve.engine.engine import truncate_prompt_ids
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -37,8 +39,9 @@ from attnserve.entrypoints.openai.protocol import (
     sse,
 )
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
+from attnserve.sampling_params import SamplingParams
 
-__all__ = ["OpenAIServingCompletion", "StreamProgress", "merge", "stop_holdback"]
+__all__ = ["OpenAIServingCompletion", "StreamProgress", "compile_constraint", "merge", "stop_holdback"]
 
 T = TypeVar("T")
 _DONE = object()
@@ -72,6 +75,18 @@ class StreamProgress:
 def stop_holdback(stop: str | list[str] | None) -> int:
     stops = [stop] if isinstance(stop, str) else (stop or [])
     return max((len(s) for s in stops), default=1) - 1
+
+
+async def compile_constraint(engine: AsyncLLMEngine, req: CompletionRequest | ChatCompletionRequest,
+                             params: SamplingParams) -> None:
+    """Compile the request's structured-output grammar on a worker thread (the engine thread
+    then finds it in the cache): one that does not compile is a 400 before anything runs."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(engine.structured.compile, params.structured_outputs)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=req.output_constraint()[0]) from e
 
 
 async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -128,7 +143,7 @@ class OpenAIServingCompletion:
         self.limits.check(req.n, len(texts))
         # tokenising is the client's work: off the event loop, which serves every other client
         prompts = await asyncio.to_thread(
-            lambda: [self._prompt_ids(p, req.add_special_tokens) for p in texts]
+            lambda: [self._prompt_ids(p, req.add_special_tokens, req.truncate_prompt_tokens) for p in texts]
         )
         defaults = self.engine.generation_config  # the model's, for the fields the request leaves out
         params = [
@@ -144,6 +159,7 @@ class OpenAIServingCompletion:
             )
             for _, ids in prompts
         ]
+        await compile_constraint(self.engine, req, params[0])
         rid = random_id("cmpl")
         streams = [
             self.metrics.track(
@@ -170,10 +186,10 @@ class OpenAIServingCompletion:
             id=rid, model=self.model_name, choices=choices, usage=_usage(finals)
         )
 
-    def _prompt_ids(
-        self, prompt: str | list[int], add_special_tokens: bool = True
-    ) -> tuple[str, list[int]]:
-        """(prompt text, token ids), checked as the engine would check them."""
+    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True,
+                    keep: int | None = None) -> tuple[str, list[int]]:
+        """(prompt text, token ids), checked as the engine would check them; the last ``keep``
+        tokens only (``truncate_prompt_tokens``), their text then decoded from them."""
         tok = self.engine.tokenizer
         if isinstance(prompt, str):
             if tok is None:
@@ -191,7 +207,10 @@ class OpenAIServingCompletion:
             text = tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
         if not ids:
             raise OpenAIError("the prompt is empty", param="prompt")
-        return text, ids
+        kept = truncate_prompt_ids(ids, keep, self.engine.max_model_len)
+        if len(kept) < len(ids):
+            text = tok.decode(kept, skip_special_tokens=False) if tok is not None else ""
+        return text, kept
 
     def _add_logprobs(
         self,
