@@ -8,7 +8,10 @@ engine (TRITON_ATTN; TRITON_MLA and DSA's TRITON_MLA_SPARSE, DeepSeek-V3.2 and G
 float32 or an fp8 latent cache; the hybrid families qwen3_next, kimi_linear, jamba and minimax with
 TRITON_GDN, TRITON_KDA, TRITON_MAMBA and TORCH_LIGHTNING on their state layers; under Triton's
 interpreter) replayed that way equal the eager engine, padded buckets included (a hybrid's
-padded row advances the null state slot, and every real slot stays exact), and a backend that
+padded row advances the null state slot, and every real slot stays exact); a hybrid's state
+layer dispatches the same aten ops every replay, none of which reads device data on the host
+(``.item()``, ``nonzero``, boolean indexing: what a CUDA graph cannot hold; a ``tolist`` does
+not pass the dispatcher and goes unseen), and a backend that
 owns a persistent buffer is refreshed before each replay (without the refresh the outputs differ,
 so the check can fail). On the H200, ``benchmarks/gpu_check.py`` compares real graphs with eager
 runs.
@@ -24,6 +27,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from attnserve import LLM, SamplingParams  # noqa: E402
 from attnserve.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
@@ -43,6 +48,7 @@ class EagerReplay(CudaGraphRunner):
     there is nothing to compile), so buckets no step uses cost nothing."""
 
     replays = 0
+    replaying = False
     warmups = 0
 
     def _capture_graph(self, forward):
@@ -50,10 +56,53 @@ class EagerReplay(CudaGraphRunner):
 
         def replay() -> None:
             EagerReplay.replays += 1
-            out = forward()
+            EagerReplay.replaying = True
+            try:
+                out = forward()
+            finally:
+                EagerReplay.replaying = False
             output.resize_(out.shape).copy_(out)
 
         return replay, output
+
+
+class DispatchedOps(TorchDispatchMode):
+    """The aten ops run inside it, each with its tensor arguments' shapes and dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+        self.ops.append((str(func), tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+# ops a CUDA graph cannot hold: they read device data on the host, or their output's shape does
+# (``tolist`` reads without the dispatcher: not seen here)
+_HOST_READS = ("aten._local_scalar_dense", "aten.nonzero.", "aten.masked_select", "aten.masked_scatter",
+               "aten.repeat_interleave.Tensor", "aten.unique", "aten._unique")
+
+
+def reads_on_host(op: str, args: tuple) -> bool:
+    boolean_index = op.startswith(("aten.index.", "aten.index_put")) and any(d is torch.bool for _, d in args)
+    return op.startswith(_HOST_READS) or boolean_index
+
+
+def _trace_replays(backend: StateBackend, traces: list) -> None:
+    """Record the ops of ``backend``'s forward whenever it runs inside a replay."""
+    forward = backend.forward
+
+    def traced(*args, **kwargs):
+        if not EagerReplay.replaying:
+            return forward(*args, **kwargs)
+        with DispatchedOps() as ops:
+            out = forward(*args, **kwargs)
+        traces.append(ops.ops)
+        return out
+
+    backend.forward = traced
 
 
 class OwnSeqLens(TritonAttentionBackend):
@@ -101,6 +150,16 @@ HYBRID_CASES = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine their
+    synchronisation costs a third of this module's time; restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
@@ -138,7 +197,7 @@ def _rebind(runner, group: int, backend: type) -> None:
 
 
 def _generate(model_dir, graphs: type[CudaGraphRunner] | None, backend: type | None = None,
-              case: str = "gqa"):
+              case: str = "gqa", traces: list | None = None):
     if case in HYBRID_CASES:  # the graphs read max_model_len keys: 32 covers these runs
         (attention, state, _), options, max_len = HYBRID_CASES[case], {}, 32
     else:
@@ -152,6 +211,8 @@ def _generate(model_dir, graphs: type[CudaGraphRunner] | None, backend: type | N
         (group,) = [g for g, b in enumerate(runner.backends) if isinstance(b, StateBackend)]
         _rebind(runner, group, load_backend(state))
         assert sorted(b.name for b in runner.backends) == sorted([attention, state])
+        if traces is not None:
+            _trace_replays(runner.backends[group], traces)
     if graphs is not None:
         if backend is not None:  # the same backend with other graph hooks
             _rebind(runner, 0, backend)
@@ -180,8 +241,12 @@ def test_replayed_decode_steps_equal_eager(case, tmp_path):
     _build(case, tmp_path)
     eager = _generate(tmp_path, None, case=case)
     EagerReplay.replays = 0
-    replayed = _generate(tmp_path, EagerReplay, case=case)
+    traces = []
+    replayed = _generate(tmp_path, EagerReplay, case=case, traces=traces)
     assert EagerReplay.replays >= (3 if case in HYBRID_CASES else 5)  # every decode step of the three requests
+    if case in HYBRID_CASES:  # the state layer's captured decode: the same ops every replay, none reads on the host
+        assert len(traces) == EagerReplay.replays and all(t == traces[0] for t in traces)
+        assert not [op for op, args in traces[0] if reads_on_host(op, args)]
     # fp8 DSA (GLM-5): the indexer query is rounded to e4m3 after a batched Hadamard matmul, whose last
     # bit follows the batch's row count (3 eager, 4 in the padded bucket), so a score near a
     # rounding edge moves a little; with 4 requests (no padding) the runs are bitwise equal

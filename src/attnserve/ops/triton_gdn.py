@@ -16,10 +16,11 @@ value tile recomputes the (small) q/k normalisation rather than sharing it.
 Arithmetic is float32 whatever the input dtypes; the state is stored back in its own dtype and
 the output in v's. A sequence whose state row is negative (padding) is skipped: its state is not
 touched and its output is zeros. Two sequences must not share a state row (as in the twin, the
-result would be undefined). The twin is ``delta_rule_decode`` (``attention/state``). Not here:
-the chunked prefill, the short conv, the gates that produce ``g`` and ``beta``. Configs are
-pinned (no autotune); under ``TRITON_INTERPRET=1`` the value tile covers the whole head, since
-the interpreter pays per program.
+result would be undefined), except a CUDA graph's padded rows, which all run on the null slot 0,
+whose content and their outputs nobody reads. The twin is ``delta_rule_decode``
+(``attention/state``). Not here: the chunked prefill, the short conv, the gates that produce
+``g`` and ``beta``. Configs are pinned (no autotune); under ``TRITON_INTERPRET=1`` the value
+tile covers the whole head, since the interpreter pays per program.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ state and several launches, where these are one read and one write.
 Arithmetic is float32 whatever the input dtypes; the state is stored back in its own dtype and
 the output in x's (Mamba) or v's (lightning). A sequence whose state row is negative (padding)
 is skipped: its state is not touched and its output is zeros. Two sequences must not share a
-state row (as in the twins, the result would be undefined). Not here: the prefill forms, the
-short conv, the projections and gates around the step. Configs are pinned (no autotune); under
-``TRITON_INTERPRET=1`` a tile covers the whole channel dim or head, since the interpreter pays
-per program.
+state row (as in the twins, the result would be undefined), except a CUDA graph's padded rows,
+which all run on the null slot 0, whose content and their outputs nobody reads. Not here: the
+prefill forms, the short conv, the projections and gates around the step. Configs are pinned (no
+autotune); under ``TRITON_INTERPRET=1`` a tile covers the whole channel dim or head, since the
+interpreter pays per program.
 """
 
 from __future__ import annotations

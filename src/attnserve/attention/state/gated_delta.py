@@ -43,9 +43,9 @@ def _prepare_qk(
     group = num_v_heads // k.shape[-2]
     if group * k.shape[-2] != num_v_heads:
         raise ValueError(f"{num_v_heads} value heads cannot share {k.shape[-2]} key heads")
-    if group > 1:
-        q = q.repeat_interleave(group, dim=-2)
-        k = k.repeat_interleave(group, dim=-2)
+    if group > 1:  # expand, not repeat_interleave: no repeat count reaches the device on any torch
+        q, k = (x.unsqueeze(-2).expand(*x.shape[:-1], group, x.shape[-1]).reshape(*x.shape[:-2], num_v_heads, -1)
+                for x in (q, k))
     return q * q.shape[-1] ** -0.5, k
 
 
