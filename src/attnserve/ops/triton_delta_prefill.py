@@ -15,9 +15,9 @@ P = lower_inclusive(<q_t, k_j> exp(cum_t - cum_j)) (decays per channel inside th
 KDA):
 
 1. ``_intra_kernel``, one program per (chunk, value head), all chunks of all sequences at once
-   (the grid is ceil(T / BT) + B, an upper bound; a program finds its sequence in a device-side
-   ``searchsorted`` over the cumulative chunk counts): A, (I + A)^-1 and P, each row stored at
-   its token ([T, Hv, BT]; float32 for float32 inputs, else the inputs' half dtype).
+   (the grid is ceil(T / BT) + B, an upper bound; chunk -> sequence is a ``searchsorted`` over
+   the cumulative chunk counts, on the device): A, (I + A)^-1 and P, each row stored at its
+   token ([T, Hv, BT]; float32 for float32 inputs, else the inputs' half dtype).
    The inverse: the 16 x 16 diagonal blocks by doubling (X_2b = X_b - X_b L_b X_b, the block
    formula for the two halves of each 2b-block), then (I + A)^-1 = (I - N + N^2 - N^3) D^-1
    with D^-1 those blocks and N = D^-1 (A below them), nilpotent. Every term is a product of
@@ -36,7 +36,7 @@ KDA):
    so they are applied to the dots' results and q, k enter the dots as loaded.
 
 Why two launches: a first version ran both in one program per (sequence, head, tile) and, on
-the H200, kept 255 registers with ~500 spilled per thread (Qwen3-Next GDN, bf16: 12.4 ms for
+the H200, used 255 registers and 500+ spills per thread (Qwen3-Next GDN, bf16: 12.4 ms for
 64 x 1024 tokens, 4.8 times the PyTorch twin; KDA 51 ms at chunk 32), and float32 and KDA
 variants did not fit in shared memory. The intra-chunk part is the register-heavy, fully
 parallel one and is now computed once per chunk and head (not once per value tile, and not on
@@ -52,11 +52,13 @@ v's. FLOPs per token and head (chunk C): 4 C dk + 4 C dv + 6 dk dv for the produ
 algorithm (k k^T, q k^T, the solve's and P's products, k S, q S, the state update), plus the
 inverse (~C^2 per token) and, for KDA, the levels' extra 2 C dk per level.
 
-Configs are pinned (no autotune): the intra kernel 4 warps; the state kernel 64 value columns
-and 8 warps for half inputs, 32 and 4 for float32; under ``TRITON_INTERPRET=1`` the value tile
-covers the whole head, since the interpreter pays per program. A sequence whose state row is
-negative is skipped (state untouched, outputs zero); two sequences must not share a row. Not
-here: the short convs, the gates that make g and beta, the decode step (``triton_gdn.py``).
+Configs are pinned (no autotune), chosen from sm_90 compiles (registers, spills, shared memory)
+and the one-kernel version's timings, not yet from timings of these kernels: the intra kernel 4
+warps (8 with a per-channel decay); the state kernel 64 value columns and 8 warps for half
+inputs, 32 and 4 for float32; under ``TRITON_INTERPRET=1`` the value tile covers the whole head,
+since the interpreter pays per program. A sequence whose state row is negative is skipped (state
+untouched, outputs zero); two sequences must not share a row. Not here: the short convs, the
+gates that make g and beta, the decode step (``triton_gdn.py``).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ __all__ = ["MAX_HEAD_K", "fused_delta_rule_prefill", "fused_gated_delta_prefill"
 MAX_HEAD_K = 256  # a whole key column of the state tile lives in registers
 MAX_CHUNK = 64  # tokens per chunk: up to four sub-blocks (the inverse's series stops at N^3)
 # KDA's chunk: its per-channel [BT, dk] factors at 64 spill in the intra kernel and overflow shared
-# memory in the float32 state kernel (sm_90 compile); the one-kernel version ran 3x faster at 32
+# memory in the float32 state kernel (sm_90 compile); the one-kernel version took a third of the
+# time at chunk 32 (value tile 64) than at 64 (value tile 32) on the H200
 MAX_CHUNK_PER_CHANNEL = 32
 SUB = 16  # tokens per sub-block of the triangular solve (the smallest tl.dot)
 

@@ -1,12 +1,12 @@
-"""The state backends with their decode step (and, for the delta rule, their prefill) in Triton (CUDA, ROCm).
+"""The state backends with their decode step (and the delta rule's prefill) in Triton (CUDA, ROCm).
 
 TRITON_GDN, TRITON_MAMBA, TRITON_LIGHTNING and TRITON_KDA run the same layer step, metadata and
 state layout as their TORCH_* twins (``torch_backends.py``), with the decode tokens' recurrence
 through a kernel that reads each sequence's state once and writes it once
 (``ops/triton_gdn.fused_delta_rule_decode``, with per-head or per-key-channel decay for KDA;
 ``ops/triton_state_decode``: Mamba's scan step with skip and gate in the same pass, lightning's
-decayed update). TRITON_GDN's and TRITON_KDA's prefills run the chunked delta rule in one varlen
-launch (``ops/triton_delta_prefill``: no padding, no host synchronisation); Mamba's and
+decayed update). TRITON_GDN's and TRITON_KDA's prefills run the chunked delta rule in two varlen
+launches (``ops/triton_delta_prefill``: no padding, no host synchronisation); Mamba's and
 lightning's prefills keep the chunked PyTorch forms, and the convs stay PyTorch. On CPU they
 run only when named, under Triton's interpreter (tests). Not graph-captured yet: hybrid models
 run eagerly.
@@ -54,7 +54,7 @@ class TritonLightningBackend(StateBackend):
 
 
 class TritonKDABackend(StateBackend):
-    """Kimi delta attention: chunked prefill and fused recurrent decode (per-key-channel decay), Triton."""
+    """Kimi delta attention: chunked prefill and fused per-key-channel decode, both Triton."""
 
     name = "TRITON_KDA"
     step = staticmethod(kda_forward)
