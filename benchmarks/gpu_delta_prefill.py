@@ -179,16 +179,15 @@ def compiled() -> list[dict]:
     from attnserve.ops import triton_delta_prefill as P
 
     out = []
-    for cache in P._delta_rule_prefill_kernel.device_caches.values():
-        for k in cache[0].values():
-            try:
-                k._init_handles()
-                c = {n: k.metadata.constants.get(n) if hasattr(k.metadata, "constants") else None
-                     for n in ("BT", "BV", "G_PER_CHANNEL", "PREC")}
-                out.append({"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
-                            "warps": k.metadata.num_warps, **{n: v for n, v in c.items() if v is not None}})
-            except Exception as exc:  # the cache layout is Triton's own
-                out.append({"error": f"{type(exc).__name__}: {exc}"})
+    for kernel in (P._intra_kernel, P._state_kernel):
+        for cache in kernel.device_caches.values():
+            for k in cache[0].values():
+                try:
+                    k._init_handles()
+                    out.append({"kernel": kernel.__name__, "regs": k.n_regs, "spills": k.n_spills,
+                                "shared": k.metadata.shared, "warps": k.metadata.num_warps})
+                except Exception as exc:  # the cache layout is Triton's own
+                    out.append({"kernel": kernel.__name__, "error": f"{type(exc).__name__}: {exc}"})
     return out
 
 
