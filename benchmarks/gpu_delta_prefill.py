@@ -15,9 +15,11 @@
    Reports ms, tokens/s, TFLOP/s and twin time / kernel time.
 
 FLOPs (the model's, per token and value head, chunk C = 64): 4 C dk (q k^T and k k^T over the
-chunk) + 4 C dv (the triangular solve's product and P v) + 6 dk dv (k S, q S and the state
-update). That leaves out the triangular inverse itself, KDA's per-level decay products, the
-padding of a last chunk and the kernel's recomputation per value tile.
+chunk) + 4 C dv (the triangular solve's product and P y) + 6 dk dv (k S, q S and the state
+update). That leaves out the triangular inverse itself, KDA's per-level decay products and the
+padding of a last chunk. Memory moved is not counted; the kernel's reads are q, k (per key
+head), v, g, beta, and (I + A)^-1 and P (2 C values per token and value head, written once and
+read once per value tile).
 
     python benchmarks/gpu_delta_prefill.py [--smoke] [--sweep]
 
@@ -50,7 +52,7 @@ from attnserve.ops.triton_delta_prefill import fused_delta_rule_prefill  # noqa:
 # name -> (Hk, Hv, dk, dv, decay per key channel)
 MODELS = {"gdn": (16, 32, 128, 128, False), "kda": (32, 32, 128, 128, True)}
 BATCHES = [(64, 1024), (8, 4096), (1, 32768)]
-SWEEP = [(32, 4, 64), (32, 8, 64), (64, 4, 64), (128, 8, 64), (64, 8, 32)]  # block_v, num_warps, chunk
+SWEEP = [(32, 4, 64), (64, 4, 64), (128, 8, 64), (64, 8, 32)]  # block_v, num_warps, chunk (state kernel)
 CHUNK = 64
 
 
@@ -177,16 +179,15 @@ def compiled() -> list[dict]:
     from attnserve.ops import triton_delta_prefill as P
 
     out = []
-    for cache in P._delta_rule_prefill_kernel.device_caches.values():
-        for k in cache[0].values():
-            try:
-                k._init_handles()
-                c = {n: k.metadata.constants.get(n) if hasattr(k.metadata, "constants") else None
-                     for n in ("BT", "BV", "G_PER_CHANNEL", "PREC")}
-                out.append({"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
-                            "warps": k.metadata.num_warps, **{n: v for n, v in c.items() if v is not None}})
-            except Exception as exc:  # the cache layout is Triton's own
-                out.append({"error": f"{type(exc).__name__}: {exc}"})
+    for kernel in (P._intra_kernel, P._state_kernel):
+        for cache in kernel.device_caches.values():
+            for k in cache[0].values():
+                try:
+                    k._init_handles()
+                    out.append({"kernel": kernel.__name__, "regs": k.n_regs, "spills": k.n_spills,
+                                "shared": k.metadata.shared, "warps": k.metadata.num_warps})
+                except Exception as exc:  # the cache layout is Triton's own
+                    out.append({"kernel": kernel.__name__, "error": f"{type(exc).__name__}: {exc}"})
     return out
 
 

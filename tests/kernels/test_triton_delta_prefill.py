@@ -1,23 +1,23 @@
 """ops/triton_delta_prefill.py (the chunked gated-delta-rule prefill) under Triton's interpreter,
 against the PyTorch twins ``gated_delta_prefill`` and ``kda_prefill`` (``attention/state``).
 
-Kernel: varlen batches whose lengths sit on the chunk boundaries (1, BT-1, BT, BT+1 and a
-sequence of several chunks), at chunk 16 (one sub-block: the doubling inverse alone) and 64
-(four sub-blocks: the N, N^2, N^3 terms); grouped heads (Hv = 2 Hk), dk and dv not powers of
-two, state rows in random order in a larger pool, half the sequences with a (nonzero) initial
-state and half without. KDA with weak decays (g in (-0.05, 0]) and strong ones (g in
-(-20, -5] per token and channel, tens of nats per sub-block: a factored exp(cum_t) exp(-cum_j)
-would overflow). Tolerances: float32 outputs and states within 1e-5 (abs and rel; sums run in
-another order); fp16 q/k/v (float32 state): the state within 1e-5, the fp16 output within 1e-3
-(one fp16 ulp either side). Rows the call does not own are bit-identical afterwards; a negative
-row is skipped (state untouched, outputs zero); the chunk size changes rounding only.
+Kernels: varlen batches whose lengths sit on the chunk boundaries (1, BT-1, BT, BT+1, several
+chunks, and an empty sequence), at chunk 16 (one sub-block: the doubling inverse alone), 32 and
+64 (two and four sub-blocks: the N, N^2, N^3 terms; KDA runs at 64 only when its cap is lifted);
+grouped heads (Hv = 2 Hk), dk and dv not powers of two, state rows in random order in a larger
+pool, every other sequence with a (nonzero) initial state. KDA with weak decays (g in
+(-0.05, 0]) and strong ones (g in (-20, -5] per token and channel, tens of nats per sub-block:
+a factored exp(cum_t) exp(-cum_j) would overflow), and once against the plain token-by-token
+recurrence. Tolerances: float32 outputs and states within 1e-5 (abs and rel; sums run in
+another order); fp16 inputs within 2e-3 (the state kernel's dot operands are fp16: a few fp16
+ulps). Rows the call does not own are bit-identical afterwards; a negative row is skipped
+(state untouched, outputs zero); the chunk size changes rounding only.
 
 Engine: ``tests/kernels/test_triton_gdn.py::test_engine_with_the_fused_decode_matches_torch``
-runs TRITON_GDN (qwen3_next) and TRITON_KDA (kimi_linear), whose prefills now go through this
-kernel, against TORCH_GDN / TORCH_KDA; here the stepped model of ``test_parity_hybrid.py``
-(chunked prefills with and without a state, decodes, a one-token prompt) with the Triton
-backends matches transformers' full forward within 1e-4. And the kernel's GPU launches compile
-for sm_90 (no GPU needed).
+runs TRITON_GDN (qwen3_next) and TRITON_KDA (kimi_linear), whose prefills go through these
+kernels (chunked, so later chunks start from a state), against TORCH_GDN / TORCH_KDA within
+1e-4; here only that the two backends name the kernels. And the kernels' GPU launches compile
+for sm_90 within its shared memory (no GPU needed).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from attnserve.arch import LayerKind  # noqa: E402
 from attnserve.attention.state import gated_delta_prefill  # noqa: E402
 from attnserve.attention.state.kda import kda_prefill  # noqa: E402
 from attnserve.attention.state.triton_backends import TritonGDNBackend, TritonKDABackend  # noqa: E402
+from attnserve.ops import triton_delta_prefill as prefill_ops  # noqa: E402
 from attnserve.ops.triton_delta_prefill import (  # noqa: E402
     fused_delta_rule_prefill,
     fused_gated_delta_prefill,
@@ -44,12 +44,13 @@ from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 # name -> (sequence lengths, Hk, Hv, dk, dv, chunk_size)
 GDN_CASES = {
-    "chunk16": ([1, 15, 16, 17, 40], 1, 2, 24, 20, 16),
-    "chunk64": ([65, 3], 1, 2, 16, 16, 64),
+    "chunk16": ([1, 15, 16, 17, 33], 1, 2, 24, 20, 16),
+    "chunk64": ([65, 0, 3], 1, 2, 16, 16, 64),  # an empty sequence: its state is still (re)written
 }
 KDA_CASES = {
-    "chunk16": ([1, 15, 16, 17, 34], 2, 2, 20, 16, 16),
-    "chunk64": ([66, 2], 1, 1, 16, 16, 64),
+    "chunk16": ([1, 15, 16, 17, 33], 1, 1, 20, 16, 16),
+    "chunk32": ([33, 2], 1, 1, 16, 16, 32),  # KDA's largest chunk (MAX_CHUNK_PER_CHANNEL)
+    "chunk64": ([66], 1, 1, 16, 16, 64),  # run at 64 here, to cover the [64, 64] levels
 }
 DECAYS = {"weak": (0.0, 0.05), "strong": (5.0, 15.0)}  # g = -(low + span * U[0, 1))
 
@@ -80,21 +81,21 @@ def check(fused, twin, inputs, state, qsl, rows, init, dtype, chunk_size, l2=Tru
     got = fused(*inputs, ours, **kw, chunk_size=chunk_size)
     want = twin(*inputs, ref, **kw, chunk_size=chunk_size)
     assert got.dtype == dtype and got.shape == want.shape
-    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    tol = 1e-5 if dtype == torch.float32 else 2e-3  # half inputs: half dot operands (four ulps)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
     unused = torch.ones(state.shape[0], dtype=torch.bool)
     unused[rows] = False
     assert torch.equal(ours[unused], state[unused]), "rows outside state_indices changed"
     return got, ours
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name", sorted(GDN_CASES))
+@pytest.mark.parametrize(("name", "dtype"), [("chunk16", torch.float32), ("chunk64", torch.float32),
+                                             ("chunk64", torch.float16)])
 def test_gdn_matches_the_twin(name, dtype):
     lens, hk, hv, dk, dv, chunk = GDN_CASES[name]
     gen = torch.Generator().manual_seed(len(name))
-    l2 = name != "chunk64"  # use_qk_l2norm=False once, with keys of norm about 1 (else the rule diverges)
+    l2 = name != "chunk64"  # use_qk_l2norm=False there, with keys of norm about 1 (else the rule diverges)
     q, k, v, g, beta = make_inputs(lens, hk, hv, dk, dv, dtype, gen)
     if not l2:
         q, k = (x / (dk**0.5) for x in (q, k))
@@ -104,11 +105,12 @@ def test_gdn_matches_the_twin(name, dtype):
           l2=l2)
 
 
-@pytest.mark.parametrize("decay", sorted(DECAYS))
-@pytest.mark.parametrize(("name", "dtype"), [("chunk16", torch.float32), ("chunk64", torch.float32),
-                                             ("chunk16", torch.float16)])
-def test_kda_matches_the_twin(name, dtype, decay):
+@pytest.mark.parametrize(("name", "dtype", "decay"), [
+    ("chunk16", torch.float32, "strong"), ("chunk16", torch.float16, "weak"), ("chunk32", torch.float32, "weak"),
+    ("chunk64", torch.float32, "strong")])
+def test_kda_matches_the_twin(name, dtype, decay, monkeypatch):
     lens, hk, hv, dk, dv, chunk = KDA_CASES[name]
+    monkeypatch.setattr(prefill_ops, "MAX_CHUNK_PER_CHANNEL", 64)
     gen = torch.Generator().manual_seed(len(name) + len(decay))
     inputs = make_inputs(lens, hk, hv, dk, dv, dtype, gen, per_channel=True, decay=DECAYS[decay])
     qsl, rows, init, pool = batch(lens, gen)
@@ -140,7 +142,7 @@ def test_strong_decays_match_the_recurrence():
 
 def test_chunk_size_changes_rounding_only():
     gen = torch.Generator().manual_seed(11)
-    lens = [37, 5]
+    lens = [21, 5]
     inputs = make_inputs(lens, 1, 2, 16, 16, torch.float32, gen)
     qsl, rows, init, pool = batch(lens, gen)
     state = torch.randn(pool, 2, 16, 16, generator=gen)
@@ -214,35 +216,24 @@ def test_the_triton_backends_take_the_kernel():
     assert TritonKDABackend.prefill is fused_kda_prefill
 
 
-@pytest.mark.parametrize(("model", "kind", "backend"), [("qwen3_next", LayerKind.GDN, TritonGDNBackend),
-                                                        ("kimi_linear", LayerKind.KDA, TritonKDABackend)])
-def test_stepped_logits_through_the_kernel(model, kind, backend, monkeypatch, tmp_path):
-    """``test_parity_hybrid.test_stepped_logits`` with the Triton state backend: chunked prefills
-    (first and later chunks), decodes and a one-token prompt == transformers within 1e-4."""
-    import tests.models.test_parity_hybrid as hybrid
-
-    monkeypatch.setitem(hybrid._STATE_BACKENDS, kind, backend)
-    hf = hybrid.build_hybrid(model, tmp_path)
-    hybrid.test_stepped_logits(model, lambda name: (tmp_path, hf))
-
-
-# The kernel's GPU launches (bf16 and fp32 inputs, GDN and KDA, chunks 64 and 16), compiled for
-# sm_90 (``sm90.py``).
+# The kernels' GPU launches at their pinned configs (bf16 inputs, float32 state: GDN at chunk 64,
+# KDA at 32), compiled for sm_90 (``sm90.py``); the float32 variants (three-pass tf32) compile too,
+# but slowly, and are left to the GPU benchmark.
 _LAUNCHES = r"""
 from attnserve.ops import triton_delta_prefill as P
 
-record(P, "_delta_rule_prefill_kernel")
+record(P, "_intra_kernel", "_state_kernel")
 bf = torch.bfloat16
 qsl, rows, init = torch.tensor([0, 100, 256], dtype=torch.int32), torch.arange(2), torch.ones(2, dtype=torch.bool)
-for dtype, kda, chunk in [(bf, False, 64), (torch.float32, False, 64), (bf, True, 64), (torch.float32, True, 16)]:
-    q = torch.zeros(256, 32 if kda else 16, 128, dtype=dtype)
+for kda in (False, True):
+    q = torch.zeros(256, 32 if kda else 16, 128, dtype=bf)
     g = torch.zeros(256, 32, *((128,) if kda else ()))
     fn = P.fused_kda_prefill if kda else P.fused_gated_delta_prefill
-    fn(q, q.clone(), torch.zeros(256, 32, 128, dtype=dtype), g, torch.zeros(256, 32, dtype=dtype),
+    fn(q, q.clone(), torch.zeros(256, 32, 128, dtype=bf), g, torch.zeros(256, 32, dtype=bf),
        torch.zeros(3, 32, 128, 128), query_start_loc=qsl, state_indices=rows, has_initial_state=init,
-       use_qk_l2norm=True, chunk_size=chunk)
+       use_qk_l2norm=True)
 """
 
 
-def test_kernel_compiles_for_sm90():
+def test_kernels_compile_for_sm90():
     assert len(compile_for_sm90(_LAUNCHES)) == 4

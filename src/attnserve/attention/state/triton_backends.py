@@ -5,8 +5,8 @@ state layout as their TORCH_* twins (``torch_backends.py``), with the decode tok
 through a kernel that reads each sequence's state once and writes it once
 (``ops/triton_gdn.fused_delta_rule_decode``, with per-head or per-key-channel decay for KDA;
 ``ops/triton_state_decode``: Mamba's scan step with skip and gate in the same pass, lightning's
-decayed update). The prefills are kernels too: the chunked delta rule of GDN and KDA in one
-varlen launch (``ops/triton_delta_prefill``), Mamba's scan token by token and lightning block by
+decayed update). The prefills are kernels too: the chunked delta rule of GDN and KDA in two
+varlen launches (``ops/triton_delta_prefill``), Mamba's scan token by token and lightning block by
 block (``ops/triton_state_prefill``), each sequence's bounds read on the device, no padding and no
 host synchronisation; so is the short conv of GDN, Mamba and KDA, prefill and decode. On CPU they
 run only when named, under Triton's interpreter (tests). All four are ``cuda_graph_safe``: the
