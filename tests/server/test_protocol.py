@@ -57,7 +57,7 @@ def test_unknown_fields_are_named_and_ignored_unless_they_change_the_result():
     assert req.messages[0].for_template()["reasoning_content"] == "kept for the template"
     assert CompletionRequest(model="m", prompt="x").ignored_fields() == []
     for field, value in (("use_beam_search", True), ("modalities", ["audio"]), ("functions", [{}]),
-                         ("guided_json", {}), ("echo", True)):
+                         ("echo", True)):
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
         with pytest.raises(OpenAIError) as info:
             ChatCompletionRequest.model_validate(body).ignored_fields()
