@@ -72,7 +72,8 @@ class CacheConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive GiB, got {self.kv_cache_memory}")
         if self.num_state_snapshots is not None and not (
-                isinstance(self.num_state_snapshots, int) and 0 <= self.num_state_snapshots <= 1 << 20):
+                isinstance(self.num_state_snapshots, int) and not isinstance(self.num_state_snapshots, bool)
+                and 0 <= self.num_state_snapshots <= 1 << 20):
             raise ValueError(f"num_state_snapshots must be an integer in [0, 2**20], got {self.num_state_snapshots!r}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (block 0 is the null block)")

@@ -116,6 +116,6 @@ def test_num_state_snapshots_sizes_the_pool(tmp_path):
                   num_state_snapshots=wanted)
         pools[wanted] = llm.llm_engine.kv_manager.state_pool.num_slots
     assert pools == {None: 1 + 3 + 3, 7: 1 + 3 + 7}
-    for bad in (-1, 2.5, 1 << 21):
+    for bad in (-1, 2.5, True, 1 << 21):
         with pytest.raises(ValueError, match="num_state_snapshots"):
             CacheConfig(num_state_snapshots=bad)
