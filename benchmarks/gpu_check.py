@@ -89,6 +89,10 @@ LENGTHS = [5, 12, 19, 27, 40, 64]
 MODES = (("graphs", {}), ("eager", {"enforce_eager": True}),
          ("chunked", {"max_num_batched_tokens": 16, "enforce_eager": True}))
 NEW = 16
+# the state mechanism of each hybrid family: ``--state-backend torch|triton`` runs its state
+# layers on TORCH_<kind> or TRITON_<kind> (its attention layers on the platform's first)
+STATE_KINDS = {"qwen3_next": "GDN", "qwen3_5": "GDN", "qwen3_5_moe": "GDN", "kimi_linear": "KDA", "jamba": "MAMBA",
+               "minimax": "LIGHTNING"}
 
 
 @torch.no_grad()
@@ -116,7 +120,8 @@ def compare(outs, prompts, plp, greedy):
     return worst, agree / len(outs)
 
 
-def check_family(name: str, dtype: str, device: str = "cuda", backend: str | None = None) -> dict:
+def check_family(name: str, dtype: str, device: str = "cuda", backend: str | None = None,
+                 state_backend: str | None = None) -> dict:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from attnserve import LLM, SamplingParams
@@ -139,6 +144,8 @@ def check_family(name: str, dtype: str, device: str = "cuda", backend: str | Non
                         "greedy_agree": sum(g == h for g, h in zip(greedy, greedy32)) / len(greedy)}
         params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, prompt_logprobs=1)
         row = {"family": name, "dtype": dtype, "hf_vs_fp32": baseline}
+        if state_backend and name in STATE_KINDS:
+            backend = f"{state_backend.upper()}_{STATE_KINDS[name]}"
         for mode, extra in MODES:
             if backend:
                 extra = dict(extra, attention_backend=backend)
@@ -165,6 +172,9 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     ap.add_argument("--attention-backend", default=None,
                     help="force a backend (on CPU: TRITON_ATTN runs under TRITON_INTERPRET=1)")
+    ap.add_argument("--state-backend", choices=("torch", "triton"), default=None,
+                    help="the hybrid families' state layers on TORCH_<kind> or TRITON_<kind> (replaces "
+                         "--attention-backend for them; default: the platform's first)")
     args = ap.parse_args()
     rows = []
     start = time.time()
@@ -174,7 +184,7 @@ def main() -> None:
                 print(f"budget spent: {name} {dtype} not run", flush=True)
                 continue
             try:
-                rows.append(check_family(name, dtype, args.device, args.attention_backend))
+                rows.append(check_family(name, dtype, args.device, args.attention_backend, args.state_backend))
                 print(json.dumps(rows[-1]), flush=True)
             except Exception as e:  # one family failing must not hide the others
                 rows.append({"family": name, "dtype": dtype, "error": f"{type(e).__name__}: {e}",
@@ -187,7 +197,7 @@ def main() -> None:
             json.dump(rows, f, indent=2)
     print(f"\nCUDA parity against transformers ({time.time() - start:.0f} s); dlogprob = max |prompt logprob "
           f"difference|, agree = share of prompts whose {NEW} greedy tokens are identical")
-    print(f"{'family':<16}{'dtype':<10}{'backend':<14}{'graphs dlp/agree':>20}{'eager dlp/agree':>20}"
+    print(f"{'family':<16}{'dtype':<10}{'backend':<28}{'graphs dlp/agree':>20}{'eager dlp/agree':>20}"
           f"{'chunked dlp/agree':>20}  graphs==eager  [transformers itself vs fp32]")
     for r in rows:
         if "error" in r:
@@ -195,7 +205,7 @@ def main() -> None:
             continue
         cells = [f"{r[m]['max_dlogprob']:.1e}/{r[m]['greedy_agree']:.2f}" for m in ("graphs", "eager", "chunked")]
         backend = ",".join(sorted(set(r["graphs"]["backends"])))
-        print(f"{r['family']:<16}{r['dtype']:<10}{backend:<14}{cells[0]:>20}{cells[1]:>20}{cells[2]:>20}  "
+        print(f"{r['family']:<16}{r['dtype']:<10}{backend:<28}{cells[0]:>20}{cells[1]:>20}{cells[2]:>20}  "
               f"{r['graphs_equal_eager']} (graphs {'on' if r['graphs']['graphs'] else 'off'})"
               + (f"  [{r['hf_vs_fp32']['max_dlogprob']:.1e}/{r['hf_vs_fp32']['greedy_agree']:.2f}]"
                  if r.get("hf_vs_fp32") else ""))

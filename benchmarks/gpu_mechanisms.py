@@ -471,8 +471,8 @@ def measure_prefill(llm: LLM, prompts: list, context: int, warm_up: bool, base: 
     """Warm up on an unrelated prompt (``warm_up``), then prefill ``prompts`` once
     (max_tokens=1), which also fills the prefix cache; the prefill cell."""
     engine = llm.llm_engine
-    if warm_up:  # Triton compiles outside the timed prefill
-        timed(llm, random_prompts(engine.arch.vocab_size, 1, min(context, 1024), seed=1), 2)
+    if warm_up:  # Triton compiles outside the timed prefill (two prompts: a batch of one is a variant of its own)
+        timed(llm, random_prompts(engine.arch.vocab_size, 2, min(context, 1024), seed=1), 2)
     seconds = timed(llm, prompts, 1)
     batch = len(prompts)
     flops = prefill_flops(engine.runner.model, engine.arch, batch, context)

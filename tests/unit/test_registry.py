@@ -46,6 +46,18 @@ def test_every_priority_name_is_registered():
                 get_entry(n)
 
 
+@pytest.mark.parametrize("kind", [LayerKind.GDN, LayerKind.KDA, LayerKind.MAMBA, LayerKind.LIGHTNING])
+def test_state_layers_take_triton_on_cuda_and_fall_back_below_sm80(kind):
+    # the Triton state backends lead on CUDA since their H200 run (issue #20); a T4 (sm_75) is
+    # below their floor and gets the PyTorch form, with the reason kept
+    state = req(kind=kind, head=128)
+    assert select_backend(state, H100).name == f"TRITON_{kind.name}"
+    chosen = select_backend(state, T4)
+    assert chosen.name == f"TORCH_{kind.name}"
+    assert any(name == f"TRITON_{kind.name}" and "compute capability" in " ".join(r) for name, r in chosen.passed_over)
+    assert select_backend(state, CPU).name == f"TORCH_{kind.name}"
+
+
 def test_validation_returns_every_reason():
     reasons = validate(get_entry("FLASH_ATTN"), req(dtype="float32", kv="fp8", head=100, block=8,
                                                     features=("sinks",)), CPU)

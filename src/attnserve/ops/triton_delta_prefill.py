@@ -216,7 +216,8 @@ def _load_qk(q_ptr, k_ptr, rows, row_ok, hk, keys, key_ok, sq_t, sq_h, sk_t, sk_
     return q * scale, k
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_seqs",),  # per step: no variant per size class or alignment
+            do_not_specialize_on_alignment=("qsl_ptr", "seq_ptr", "first_ptr"))
 def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, seq_ptr, first_ptr, tinv_ptr, p_ptr, sq_t, sq_h, sk_t, sk_h,
                   sg_t, sg_h, sg_k, sbeta_t, sbeta_h, group, dk, num_seqs, scale, eps, L2NORM: tl.constexpr,
                   G_PER_CHANNEL: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, BT: tl.constexpr,
@@ -314,7 +315,7 @@ def _chunk_step(s, start, eos, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, p
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=("qsl_ptr", "idx_ptr", "init_ptr"))
 def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, p_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, out_ptr,
                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sg_k, sbeta_t, sbeta_h, ss_n, ss_h, ss_k, ss_v,
                   so_t, so_h, group, dk, dv, scale, eps, L2NORM: tl.constexpr, G_PER_CHANNEL: tl.constexpr,

@@ -25,11 +25,12 @@ def describe(compute_capability: tuple[int, int] | None = None) -> Platform:
             (LayerKind.SLIDING, _STANDARD),
             (LayerKind.MLA, ("FLASHMLA", "TRITON_MLA", "TORCH_MLA")),
             (LayerKind.SPARSE_MLA, ("FLASHMLA_SPARSE", "TRITON_MLA_SPARSE", "TORCH_MLA_SPARSE")),
-            # TORCH_* first until the Triton state backends are measured on a GPU (issue #20)
-            (LayerKind.GDN, ("TORCH_GDN", "TRITON_GDN")),
-            (LayerKind.MAMBA, ("TORCH_MAMBA", "TRITON_MAMBA")),
-            (LayerKind.LIGHTNING, ("TORCH_LIGHTNING", "TRITON_LIGHTNING")),
-            (LayerKind.KDA, ("TORCH_KDA", "TRITON_KDA")),
+            # the Triton state backends: measured on the H200 (docs/performance.md, hybrid rows),
+            # faster than the PyTorch forms (decode at batch 8-64, prefill from 8K tokens) and graph-captured
+            (LayerKind.GDN, ("TRITON_GDN", "TORCH_GDN")),
+            (LayerKind.MAMBA, ("TRITON_MAMBA", "TORCH_MAMBA")),
+            (LayerKind.LIGHTNING, ("TRITON_LIGHTNING", "TORCH_LIGHTNING")),
+            (LayerKind.KDA, ("TRITON_KDA", "TORCH_KDA")),
             (LayerKind.NSA, ("TORCH_NSA",)),
         ),
     )
