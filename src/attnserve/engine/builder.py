@@ -286,6 +286,10 @@ def _build_model(arch: ModelArch, model_dir: Path, config: EngineConfig, device:
             model = cls(arch)
     finally:
         torch.set_default_dtype(previous)
+    # Factory calls in __init__ follow the device context unless another library has spoiled
+    # torch's cached table of constructors: after transformers' from_pretrained in the same
+    # process, torch.linspace (GDN's A_log) builds on the CPU. .to() moves any such straggler.
+    model.to(device)
     fmt = config.model.load_format
     if fmt == "auto" and _is_weightless_preset(model_dir):
         logger.warning("%s ships no weights: using seeded random weights", model_dir.name)
