@@ -72,9 +72,10 @@ def test_pairs_of_other_ranks_are_dropped():
     ids = torch.randint(0, 8, (9, 3), generator=g)
     weights = torch.rand(9, 3, generator=g)
     mine = (ids >= 2) & (ids < 6)
-    got = fused_experts(x, ex.w13, ex.w2, weights, ids - 2)
     ref = ex._forward_torch(x, torch.where(mine, weights, 0.0), torch.where(mine, ids, 2)).float()
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for num_global in (None, 8):  # the tiles sized by this rank's experts or by all of them
+        got = fused_experts(x, ex.w13, ex.w2, weights, ids - 2, num_global_experts=num_global)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert mine.any() and (~mine).any()
 
 

@@ -185,6 +185,7 @@ class FusedExperts(nn.Module):
         # tensor parallelism (runner/parallel.py): this rank holds experts [first_expert,
         # first_expert + num_experts) and sums the ranks' partial outputs with ``all_reduce``
         self.first_expert = 0
+        self.total_experts = num_experts  # over all ranks (sizes the kernels' tiles)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
@@ -217,7 +218,7 @@ class FusedExperts(nn.Module):
             acc = _moe_kernels().fused_experts(
                 x, self.w13, self.w2, topk_weights, topk_ids - self.first_expert, act=self.kernel_act,
                 w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu_limit=self.swiglu_limit or 0.0,
-                swiglu_alpha=self.swiglu_alpha)
+                swiglu_alpha=self.swiglu_alpha, num_global_experts=self.total_experts)
             if self.all_reduce is not None:
                 acc = self.all_reduce(acc)
             return acc.to(x.dtype)

@@ -22,17 +22,16 @@ every batch, from one-token decode to prefill chunks of 16K tokens (P up to a fe
 slot, token and pair offsets are int64; an expert's weights must stay under 2^31 elements).
 
 Tile configs (``MoEConfig``, chosen by ``moe_config`` from the mean pairs per expert m = P / E,
-a host number from shapes only, so decode stays graph-capturable): decode batches keep small,
-short tiles (m <= 16: 16 rows; m <= 64: 32 rows; N and K blocks of 64, 4 warps, 3 stages, tiles
-first in launch order); prefill-sized runs take 64-row (m <= 256) or 128-row tiles, N blocks of
-128 for the down kernel (64 for gate/up, whose two accumulators make it 128 wide), 4 or 8 warps,
-and a grouped launch order (``group_m`` tiles' N blocks run together, so a group's token rows
-and its experts' weight blocks are reused from L2). The tile rows are a compromise: each expert's
-run is padded to ``block_m``, about ``block_m / 2`` wasted rows per expert, against tensor-core
-efficiency, which wants tall tiles. The thresholds and tiles are first guesses for Hopper, to be
-swept on the H200 (``benchmarks/gpu_moe.py --sweep``). float32 keeps tiles of at most 64 x 32 x
-32 (IEEE dot products). The interpreter runs the 16-bit table for every dtype (warps and stages
-are ignored there).
+E over all tensor-parallel ranks: a host number from shapes only, so decode stays graphable).
+Decode batches keep the short tiles they had (m <= 16: 16 rows, m <= 64: 32 rows; N and K blocks
+of 64, 4 warps, 3 stages, tiles first in launch order). Prefill-sized runs take 64-row (m <= 256)
+or 128-row tiles, N blocks of 128 in the down kernel (64 in gate/up, whose two accumulators make
+it 128 wide), 4 or 8 warps and a grouped launch order: ``group_m`` tiles' N blocks run together,
+so a group's token rows and its experts' weight blocks are reused from L2. Tall tiles use the
+tensor cores better but pad each expert's run by about ``block_m / 2`` rows. The thresholds and
+tiles are first guesses for Hopper, to be swept on the H200 (``benchmarks/gpu_moe.py --sweep``).
+float32 keeps tiles of at most 64 x 32 x 32 (IEEE dot products); the interpreter runs the 16-bit
+table for every dtype (it ignores warps and stages).
 
 The PyTorch twin is ``FusedExperts._forward_torch``. Not here: quantised experts, expert
 parallelism, autotuning (configs are pinned per size class).
@@ -226,6 +225,7 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
     swiglu_alpha: float = 1.0,
+    num_global_experts: int | None = None,
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """sum over a token's k pairs of weight * expert(x), as float32 [T, H] (before any all-reduce).
@@ -237,6 +237,8 @@ def fused_experts(
             are dropped).
         act: one of ``MOE_ACTS``; swiglu_limit / swiglu_alpha: GPT-OSS's clamp and slope.
         w13_bias, w2_bias: [E, 2I] and [E, H] or None.
+        num_global_experts: the experts over all tensor-parallel ranks (None: E), so that the
+            tile config sees the pairs an expert gets, T k / num_global_experts.
         config: the tile config; None: ``moe_config`` for this batch (tests and sweeps pass one).
     """
     if act not in MOE_ACTS:
@@ -247,10 +249,10 @@ def fused_experts(
     if x.shape != (t, hidden) or w2.shape != (e, hidden, inter) or topk_weights.shape != (t, k):
         raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)}, ids {tuple(local_ids.shape)} do not fit")
-    if two_i * hidden >= 2**31 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError("fused_experts: expert weights must be contiguous in their last dim with fewer than "
-                         "2^31 elements per expert")
-    cfg = config or moe_config(x.dtype, t * k / e)
+    if max(two_i * w13.stride(1), hidden * w2.stride(1)) >= 2**31 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_experts: expert weights must be contiguous in their last dim and span fewer than "
+                         "2^31 elements per expert (int32 offsets)")
+    cfg = config or moe_config(x.dtype, t * k / (num_global_experts or e))
     bm = cfg.block_m
     x = x.contiguous()
     pairs, tile_expert = align_pairs(local_ids.reshape(-1), e, bm)  # padded to the kernels' BLOCK_M
