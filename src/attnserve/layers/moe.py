@@ -10,8 +10,8 @@ What this file is:
   ([gate | up] per expert) and ``w2`` [E, H, I], run as one grouped computation: token-expert
   pairs are sorted by expert and each expert's rows go through one matrix product. SwiGLU (or
   another gated activation) and GPT-OSS's clamped SwiGLU. On CUDA, SwiGLU and the clamped form
-  run two grouped Triton kernels with no host sync (``ops/triton_moe.py``), so MoE
-  decode steps can be CUDA-graphed.
+  run two grouped Triton kernels with no host sync (``ops/triton_moe.py``) at every batch size,
+  decode (CUDA-graphed) and prefill chunks alike, with tile sizes picked per batch.
 - ``GatedMLP`` (dense layers, shared experts), ``SparseMoE`` (router + experts: Mixtral,
   Qwen3-MoE, GPT-OSS) and ``DeepseekMoE`` (fp32 router with an optional correction bias,
   routed experts and shared experts: DeepSeek V2/V3, GLM-4.5, Kimi).
@@ -41,9 +41,6 @@ if TYPE_CHECKING:
     from attnserve.arch import ModelArch, MoESpec
 
 __all__ = ["DeepseekMoE", "FusedExperts", "GatedMLP", "SparseMoE", "select_experts"]
-
-KERNEL_MAX_TOKENS = 2048  # FusedExperts runs the grouped Triton kernels up to this many tokens
-
 
 # --- routing ------------------------------------------------------------------------------
 
@@ -188,6 +185,7 @@ class FusedExperts(nn.Module):
         # tensor parallelism (runner/parallel.py): this rank holds experts [first_expert,
         # first_expert + num_experts) and sums the ranks' partial outputs with ``all_reduce``
         self.first_expert = 0
+        self.total_experts = num_experts  # over all ranks (sizes the kernels' tiles)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
@@ -220,18 +218,17 @@ class FusedExperts(nn.Module):
             acc = _moe_kernels().fused_experts(
                 x, self.w13, self.w2, topk_weights, topk_ids - self.first_expert, act=self.kernel_act,
                 w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu_limit=self.swiglu_limit or 0.0,
-                swiglu_alpha=self.swiglu_alpha)
+                swiglu_alpha=self.swiglu_alpha, num_global_experts=self.total_experts)
             if self.all_reduce is not None:
                 acc = self.all_reduce(acc)
             return acc.to(x.dtype)
         return self._forward_torch(x, topk_weights, topk_ids)
 
     def _use_kernel(self, x: torch.Tensor) -> bool:
-        """The kernels for decode-sized batches (and whatever a CUDA graph captures); long
-        prefill chunks keep the loop, whose per-expert cuBLAS GEMMs are then efficient."""
-        if not (uses_kernel(x) and self.kernel_act is not None and _moe_kernels() is not None):
-            return False
-        return x.shape[0] <= KERNEL_MAX_TOKENS or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        """The kernels at every chunk size (decode batches and long prefill chunks alike: the
+        kernels pick taller tiles for prefill), wherever Triton runs and has the activation.
+        The loop, with its host sync and 2E launches, is the CPU path and the kernels' twin."""
+        return uses_kernel(x) and self.kernel_act is not None and _moe_kernels() is not None
 
     def _forward_torch(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -17,12 +17,29 @@ launches per layer, and nothing a CUDA graph can replay. Here:
    bias, times the pair's routing weight, stored per pair in fp32; the k pairs of a token are
    then summed in a fixed order (no atomics: deterministic).
 
-Empty tiles exit at once, so the padding costs a launch slot, not work. The PyTorch twin is
-``FusedExperts._forward_torch``. Not here: quantised experts, expert parallelism, block-size
-tuning (one pinned config per dtype; the interpreter gets larger blocks).
+Empty tiles exit at once, so the padding costs a launch slot, not work. The same two kernels run
+every batch, from one-token decode to prefill chunks of 16K tokens (P up to a few 100K pairs: the
+slot, token and pair offsets are int64; an expert's weights must stay under 2^31 elements).
+
+Tile configs (``MoEConfig``, chosen by ``moe_config`` from the mean pairs per expert m = P / E,
+E over all tensor-parallel ranks: a host number from shapes only, so decode stays graphable).
+Decode batches keep the short tiles they had (m <= 16: 16 rows, m <= 64: 32 rows; N and K blocks
+of 64, 4 warps, 3 stages, tiles first in launch order). Prefill-sized runs take 64-row (m <= 256)
+or 128-row tiles, N blocks of 128 in the down kernel (64 in gate/up, whose two accumulators make
+it 128 wide), 4 or 8 warps and a grouped launch order: ``group_m`` tiles' N blocks run together,
+so a group's token rows and its experts' weight blocks are reused from L2. Tall tiles use the
+tensor cores better but pad each expert's run by about ``block_m / 2`` rows. The thresholds and
+tiles are first guesses for Hopper, to be swept on the H200 (``benchmarks/gpu_moe.py --sweep``).
+float32 keeps tiles of at most 64 x 32 x 32 (IEEE dot products); the interpreter runs the 16-bit
+table for every dtype (it ignores warps and stages).
+
+The PyTorch twin is ``FusedExperts._forward_torch``. Not here: quantised experts, expert
+parallelism, autotuning (configs are pinned per size class).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,7 +47,7 @@ import triton.language as tl
 
 from attnserve import env
 
-__all__ = ["MOE_ACTS", "align_pairs", "fused_experts"]
+__all__ = ["MOE_ACTS", "MoEConfig", "align_pairs", "fused_experts", "moe_config"]
 
 MOE_ACTS = ("silu", "swiglu_clamped")  # SwiGLU, and GPT-OSS's clamped form
 
@@ -68,23 +85,74 @@ def align_pairs(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     return sorted_pairs[:slots], tile_expert
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tiles and launch of the two kernels; ``block_m`` is also ``align_pairs``' padding."""
+
+    block_m: int  # pairs per tile (one expert per tile)
+    block_n_up: int  # gate/up columns per program (each of the two accumulators)
+    block_n_down: int  # hidden columns per program of the down kernel
+    block_k: int  # reduction step of both kernels
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 0  # tiles whose N blocks run together; 0: every tile's first N block first
+
+
+# the 16-bit table: (largest mean pairs per expert, config), first match
+CONFIGS = (
+    (16.0, MoEConfig(16, 64, 64, 64)),  # decode (as before prefill got its own tiles)
+    (64.0, MoEConfig(32, 64, 64, 64)),
+    (256.0, MoEConfig(64, 64, 128, 64, num_warps=4, num_stages=4, group_m=8)),
+    (float("inf"), MoEConfig(128, 64, 128, 64, num_warps=8, num_stages=3, group_m=8)),
+)
+
+
+def moe_config(dtype: torch.dtype, pairs_per_expert: float) -> MoEConfig:
+    """The tile config for a batch with ``pairs_per_expert`` (P / E) pairs per expert on average.
+
+    Tiles of ``block_m`` pairs read their expert's weights once each, so bigger batches take
+    taller tiles: decode one 16-row tile per expert touched, prefill 64 or 128 rows (see the
+    module docstring)."""
+    cfg = next(c for bound, c in CONFIGS if pairs_per_expert <= bound)
+    if dtype == torch.float32 and not env.triton_interpret():  # IEEE fp32 dots: small tiles
+        return MoEConfig(min(cfg.block_m, 64), 32, 32, 32, num_warps=4, num_stages=3, group_m=cfg.group_m)
+    return cfg
+
+
 # fmt: off
-@triton.jit(do_not_specialize=("num_pairs",))  # varies per step: no variant per size class
-def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, tile_expert_ptr, num_pairs,
+@triton.jit
+def _tile_and_block(num_tiles, n_blocks: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (tile, N block): tiles first (GROUP_M 0), or GROUP_M tiles at a time with
+    their N blocks (all N blocks of a group run before the next group starts)."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        tile = pid % num_tiles
+        nb = pid // num_tiles
+    else:
+        width = GROUP_M * n_blocks
+        first = pid // width * GROUP_M
+        size = tl.minimum(num_tiles - first, GROUP_M)  # the last group may be short
+        tile = first + pid % width % size
+        nb = pid % width // size
+    return tile, nb
+
+
+@triton.jit(do_not_specialize=("num_pairs", "num_tiles"))  # vary per step: no variant per size class
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, tile_expert_ptr, num_pairs, num_tiles,
                     stride_xt, stride_we, stride_wn, stride_be, stride_os, limit, alpha,
                     hidden: tl.constexpr, inter: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    tile = tl.program_id(0)
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    tile, nb = _tile_and_block(num_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + tile)
     if e < 0:
         return
-    slot = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + slot)
+    slot = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair = tl.load(pairs_ptr + slot)  # int64
     row_ok = pair < num_pairs
-    token = (pair // TOP_K).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = pair // TOP_K
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
-    w_expert = w_ptr + e.to(tl.int64) * stride_we
+    w_expert = w_ptr + e.to(tl.int64) * stride_we  # within an expert: int32 (< 2^31 elements)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -109,23 +177,23 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, tile_expert_ptr, nu
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         h = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
-    tl.store(out_ptr + slot.to(tl.int64)[:, None] * stride_os + n[None, :], h.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + slot[:, None] * stride_os + n[None, :], h.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=("num_pairs",))
-def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, pairs_ptr, tile_expert_ptr, num_pairs,
+@triton.jit(do_not_specialize=("num_pairs", "num_tiles"))
+def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, pairs_ptr, tile_expert_ptr, num_pairs, num_tiles,
                  stride_hs, stride_we, stride_wn, stride_be, stride_op,
                  hidden: tl.constexpr, inter: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    tile = tl.program_id(0)
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    tile, nb = _tile_and_block(num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + tile)
     if e < 0:
         return
     slot = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    pair = tl.load(pairs_ptr + slot)
+    pair = tl.load(pairs_ptr + slot)  # int64
     row_ok = pair < num_pairs
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     w_expert = w_ptr + e.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -140,20 +208,9 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, pairs_ptr, tile_expert_pt
     # round where the PyTorch path's expert output is rounded to the model dtype
     acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(rw_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_op + n[None, :], acc * weight[:, None],
+    tl.store(out_ptr + pair[:, None] * stride_op + n[None, :], acc * weight[:, None],
              mask=row_ok[:, None] & n_ok[None, :])
 # fmt: on
-
-
-def _blocks(dtype: torch.dtype, pairs_per_expert: float) -> tuple[int, int, int]:
-    """(block_m, block_n, block_k): tiles of ``block_m`` pairs read their expert's weights once
-    each, so bigger batches take taller tiles (decode: one 16-row tile per expert touched)."""
-    if env.triton_interpret():  # few, large programs: the interpreter pays per program
-        return 16, 64, 64
-    bm = 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 64 else 64
-    if dtype == torch.float32:
-        return bm, 32, 32
-    return bm, 64, 64
 
 
 def fused_experts(
@@ -168,6 +225,8 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
     swiglu_alpha: float = 1.0,
+    num_global_experts: int | None = None,
+    config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """sum over a token's k pairs of weight * expert(x), as float32 [T, H] (before any all-reduce).
 
@@ -178,30 +237,42 @@ def fused_experts(
             are dropped).
         act: one of ``MOE_ACTS``; swiglu_limit / swiglu_alpha: GPT-OSS's clamp and slope.
         w13_bias, w2_bias: [E, 2I] and [E, H] or None.
+        num_global_experts: the experts over all tensor-parallel ranks (None: E), so that the
+            tile config sees the pairs an expert gets, T k / num_global_experts.
+        config: the tile config; None: ``moe_config`` for this batch (tests and sweeps pass one).
     """
     if act not in MOE_ACTS:
         raise ValueError(f"unsupported MoE kernel activation '{act}' (supported: {MOE_ACTS})")
     t, k = local_ids.shape
     e, two_i, hidden = w13.shape
     inter = two_i // 2
-    bm, bn, bk = _blocks(x.dtype, t * k / e)
+    if x.shape != (t, hidden) or w2.shape != (e, hidden, inter) or topk_weights.shape != (t, k):
+        raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
+                         f"topk_weights {tuple(topk_weights.shape)}, ids {tuple(local_ids.shape)} do not fit")
+    if max(two_i * w13.stride(1), hidden * w2.stride(1)) >= 2**31 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_experts: expert weights must be contiguous in their last dim and span fewer than "
+                         "2^31 elements per expert (int32 offsets)")
+    cfg = config or moe_config(x.dtype, t * k / (num_global_experts or e))
+    bm = cfg.block_m
     x = x.contiguous()
-    pairs, tile_expert = align_pairs(local_ids.reshape(-1), e, bm)
+    pairs, tile_expert = align_pairs(local_ids.reshape(-1), e, bm)  # padded to the kernels' BLOCK_M
     h = torch.empty(pairs.shape[0], inter, dtype=x.dtype, device=x.device)
     num_tiles = tile_expert.shape[0]
     has_bias = w13_bias is not None
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 stays float32 (no TF32)
+    launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     # fmt: off
-    _gate_up_kernel[(num_tiles, triton.cdiv(inter, bn))](
-        x, w13, w13_bias if has_bias else w13, h, pairs, tile_expert, t * k,
+    _gate_up_kernel[(num_tiles * triton.cdiv(inter, cfg.block_n_up),)](
+        x, w13, w13_bias if has_bias else w13, h, pairs, tile_expert, t * k, num_tiles,
         x.stride(0), w13.stride(0), w13.stride(1), w13_bias.stride(0) if has_bias else 0, h.stride(0),
         float(swiglu_limit), float(swiglu_alpha), hidden=hidden, inter=inter, PRECISION=precision, TOP_K=k, HAS_BIAS=has_bias, ACT=MOE_ACTS.index(act),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        BLOCK_M=bm, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **launch)
     per_pair = torch.zeros(t * k, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _down_kernel[(num_tiles, triton.cdiv(hidden, bn))](
-        h, w2, w2_bias if has_bias else w2, weights, per_pair, pairs, tile_expert, t * k,
+    _down_kernel[(num_tiles * triton.cdiv(hidden, cfg.block_n_down),)](
+        h, w2, w2_bias if has_bias else w2, weights, per_pair, pairs, tile_expert, t * k, num_tiles,
         h.stride(0), w2.stride(0), w2.stride(1), w2_bias.stride(0) if has_bias else 0, per_pair.stride(0),
-        hidden=hidden, inter=inter, PRECISION=precision, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        hidden=hidden, inter=inter, PRECISION=precision, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=cfg.block_n_down,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **launch)
     # fmt: on
     return per_pair.view(t, k, hidden).sum(dim=1)
