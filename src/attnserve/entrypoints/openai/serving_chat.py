@@ -51,6 +51,7 @@ from attnserve.entrypoints.openai.protocol import (
 from attnserve.entrypoints.openai.serving_completion import (
     StreamProgress,
     compile_constraint,
+    raise_if_failed,
     stop_holdback,
 )
 from attnserve.outputs import Logprob, RequestOutput
@@ -98,6 +99,7 @@ class OpenAIServingChat:
         final: RequestOutput | None = None
         async with aclosing(stream):
             async for out in stream:
+                raise_if_failed(out)
                 final = out
         if final is None or not final.finished:
             raise OpenAIError("the request was aborted", status=500)
@@ -216,6 +218,7 @@ class OpenAIServingChat:
             )
             async with aclosing(stream):
                 async for final in stream:
+                    raise_if_failed(final)  # an error event, then [DONE]
                     choices = []
                     for c in final.outputs:
                         p = progress[c.index]
