@@ -37,6 +37,7 @@ class ModelConfig:
     served_model_name: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask; -1: no cap
+    check_weights_finite: bool = True  # NaN/Inf in the loaded weights is an error (one pass on the device)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -47,6 +48,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be a non-negative integer or -1 (no cap), got {self.max_logprobs!r}")
+        if not isinstance(self.check_weights_finite, bool):
+            raise ValueError(f"check_weights_finite must be a bool, got {self.check_weights_finite!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,13 @@ import jinja2
 import tokenizers
 from jinja2 import nodes
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from attnserve.template_sandbox import (
+    TemplateBounds,
+    TemplateBoundsError,
+    TemplateEnvironment,
+    render_bounded,
+)
 
 __all__ = ["ByteTokenizer", "FastTokenizer", "Tokenizer", "load_chat_template", "load_tokenizer"]
 
@@ -95,7 +101,7 @@ def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_k
 
 @functools.lru_cache(maxsize=64)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = TemplateEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
@@ -160,6 +166,7 @@ class Tokenizer(abc.ABC):
         tools: list[dict[str, Any]] | None = None,
         *,
         chat_template: str | None = None,
+        bounds: TemplateBounds | None = None,
         **kwargs: Any,
     ) -> str:
         """Render a conversation with the model's chat template, as transformers does.
@@ -170,6 +177,8 @@ class Tokenizer(abc.ABC):
             tools: JSON schemas of the tools the model may call.
             chat_template: a template name of this model, or a template source, instead of the
                 default ("tool_use" when tools are given and the model has one).
+            bounds: render under these time and size bounds (``template_sandbox``): for a
+                template nobody vetted, such as one sent in a request.
             kwargs: further variables for the template (documents, enable_thinking, ...); they
                 win over the special-token variables.
 
@@ -180,19 +189,28 @@ class Tokenizer(abc.ABC):
         Raises:
             ValueError: the model has no chat template, or the template rejects the messages.
         """
-        template = self._select_template(chat_template, tools)
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
         variables = {"documents": None, **self._template_vars, **kwargs}
         try:
-            return template.render(
+            template = self._select_template(chat_template, tools)
+            return render_bounded(
+                template,
+                bounds,
                 messages=[_normalize_message(m) for m in messages],
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
+        except TemplateBoundsError as exc:
+            raise ValueError(f"chat template stopped: {exc}") from exc
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
+        except (RecursionError, MemoryError, ArithmeticError, LookupError, AttributeError) as exc:
+            if bounds is None:
+                raise
+            # an untrusted template's own failure (a recursion, 1/0, a missing key...)
+            raise ValueError(f"chat template error: {type(exc).__name__}: {exc}") from exc
 
     def _select_template(self, name_or_source: str | None, tools: Any) -> jinja2.Template:
         templates = self._chat_templates

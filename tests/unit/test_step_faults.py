@@ -170,3 +170,56 @@ def test_recovery_under_cache_pressure(model_dir):
     assert [summary(o) for o in llm.generate(prompts, params)] == ref
     assert calls["raised"] >= 1 and llm.llm_engine.scheduler.stats.num_preemptions > 0
     assert_idle(llm)
+
+
+class FaultyDetokenizer:
+    """A detokenizer that raises at its ``at``-th token (a tokenizer bug on one output)."""
+
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
+
+    def step(self, ids):
+        self.calls += 1
+        if self.calls >= self.at:
+            raise Fault(f"injected detokenizer fault at token {self.calls}")
+        return "x"
+
+    def flush(self):
+        return ""
+
+
+class FaultyTokenizer:
+    """Formatting a logprob entry decodes each token: this decode raises."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        raise Fault("injected logprob formatting fault")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_output_processing_fault_fails_its_request_alone(model_dir, async_scheduling):
+    """Detokenising (one request, at its 3rd token) and formatting logprobs (another, at its
+    first) raise: those two finish with "error" and the message, keeping the tokens they had;
+    the others finish exactly; the engine is idle afterwards and serves the next generate."""
+    ref_llm = make_llm(model_dir, async_scheduling=async_scheduling)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = [summary(o) for o in ref_llm.generate(prompts, GREEDY)]
+    llm = make_llm(model_dir, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    rids = [engine.add_request(None, p, GREEDY) for p in prompts]
+    engine.states[rids[1]].completions[0].detok = FaultyDetokenizer(at=3)
+    engine.states[rids[2]].tokenizer = FaultyTokenizer()
+    finals = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step(final_only=True):
+            finals[out.request_id] = out
+    assert set(finals) == set(rids)
+    detok_failed, lp_failed = finals[rids[1]].outputs[0], finals[rids[2]].outputs[0]
+    assert detok_failed.finish_reason == "error" and "detokenizer fault" in detok_failed.stop_reason
+    assert detok_failed.token_ids == ref[1][0][:3]  # what it produced is kept, nothing after
+    assert lp_failed.finish_reason == "error" and "logprob formatting fault" in lp_failed.stop_reason
+    assert [summary(finals[rids[i]]) for i in (0, 3)] == [ref[0], ref[3]]
+    assert_idle(llm)
+    assert [summary(o) for o in llm.generate(prompts, GREEDY)] == ref
+    assert_idle(llm)

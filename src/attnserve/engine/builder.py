@@ -31,7 +31,7 @@ from attnserve.kvcache.state import StatePool
 from attnserve.layers.moe import FusedExperts
 from attnserve.models.quantized import QuantScheme, dequantized_weights
 from attnserve.models.registry import get_model_class
-from attnserve.models.weights import dummy_init, iter_safetensors
+from attnserve.models.weights import check_finite_weights, dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
 from attnserve.runner.cache_allocation import (
     allocate_kv_cache,
@@ -302,6 +302,8 @@ def _build_model(arch: ModelArch, model_dir: Path, config: EngineConfig, device:
     if scheme is not None:  # dequantised to the model dtype as they are read
         weights = dequantized_weights(weights, scheme, dtype)
     model.load_weights(weights)
+    if config.model.check_weights_finite:
+        check_finite_weights(model, model_dir)
     return model.eval()
 
 

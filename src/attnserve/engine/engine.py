@@ -387,30 +387,51 @@ class LLMEngine:
             self._forget(child.request.request_id)
         return [state.to_output()]
 
+    def _output_failed(self, c: CompletionState, exc: BaseException) -> None:
+        """Finish completion ``c``, whose output processing raised, with "error" (the message in
+        ``stop_reason``, as for a failed step); its blocks are freed at once."""
+        logger.error("output processing failed for request %s: %r", c.request.request_id, exc, exc_info=exc)
+        message = f"{type(exc).__name__}: {exc}"
+        self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ERROR, message)
+        c.finish_reason, c.stop_reason = RequestStatus.FINISHED_ERROR.value, message
+
     def _process(self, sched_out: SchedulerOutput, run_out: RunnerOutput, final_only: bool) -> list[RequestOutput]:
-        """Scheduler update and output processing of one executed step."""
+        """Scheduler update and output processing of one executed step.
+
+        Output processing (detokenising, logprob entries, stop strings, the grammar) runs per
+        completion: one that raises finishes that completion alone with "error"
+        (``_output_failed``); the others and the engine go on."""
+        touched: dict[str, RequestState] = {}
         for rid, entries in run_out.prompt_logprobs.items():
             if rid not in self._child_to_state:  # aborted while its step ran
                 continue
             state, c = self._child_to_state[rid]
             c.request.num_prompt_logprobs_done += len(entries)
-            if c.index == 0:
-                state.add_prompt_logprobs(entries)
+            if c.index == 0 and c.finish_reason is None:
+                try:
+                    state.add_prompt_logprobs(entries)
+                except Exception as exc:  # noqa: BLE001 - contained: this request alone fails
+                    self._output_failed(c, exc)
+                    touched[state.request_id] = state
         progressed = self.scheduler.update(sched_out, run_out.sampled)
-        touched: dict[str, RequestState] = {}
         self.num_generation_tokens += len(progressed)
         for req in progressed:
             state, c = self._child_to_state[req.request_id]
             if req.num_output_tokens == 1 and c.index == 0:  # a request's prompt, once for n > 1
                 self.num_prompt_tokens += req.num_prompt_tokens
-            stop = state.add_token(c, run_out.logprobs.get(req.request_id))
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
-            if req.grammar is not None and not req.is_finished:
-                self._advance_grammar(req)
-            if req.is_finished:
-                state.finish(c)
             touched[state.request_id] = state
+            if c.finish_reason is not None:  # its output processing failed (prompt logprobs)
+                continue
+            try:
+                stop = state.add_token(c, run_out.logprobs.get(req.request_id))
+                if stop is not None and not req.is_finished:
+                    self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                if req.grammar is not None and not req.is_finished:
+                    self._advance_grammar(req)
+                if req.is_finished:
+                    state.finish(c)
+            except Exception as exc:  # noqa: BLE001 - contained: this request alone fails
+                self._output_failed(c, exc)
         outputs = []
         for rid, state in touched.items():
             finished = state.finished

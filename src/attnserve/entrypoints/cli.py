@@ -165,7 +165,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompts", type=int, default=1024,
                    help="the most prompts one completion request may carry (default: 1024)")
     p.add_argument("--trust-request-chat-template", action="store_true",
-                   help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
+                   help="render chat templates sent in requests (chat_template, or "
+                        "chat_template_kwargs.chat_template), bounded by the three flags below")
+    p.add_argument("--max-chat-template-bytes", type=int, default=64 << 10,
+                   help="a larger template sent in a request gets a 400 (default: 64 KiB)")
+    p.add_argument("--chat-template-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="rendering a template sent in a request stops with a 400 after this long "
+                        "(default: 2)")
+    p.add_argument("--max-chat-template-output-chars", type=int, default=16 << 20,
+                   help="a template sent in a request may build no value and no output longer than "
+                        "this, in characters (default: 16 Mi)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a chat template (a file, or the Jinja template itself) used instead of the "
                         "model's own (default: the model's)")
@@ -188,7 +197,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                api_key=args.api_key or env.api_key(), served_model_name=args.served_model_name,
                log_level=args.uvicorn_log_level,
                limits=ServerLimits(args.max_request_body_bytes, args.max_n, args.max_prompts,
-                                   args.trust_request_chat_template),
+                                   args.trust_request_chat_template, args.max_chat_template_bytes,
+                                   args.chat_template_timeout, args.max_chat_template_output_chars),
                log_stats_interval=None if args.disable_log_stats else env.log_stats_interval(),
                chat_template=args.chat_template)
     return 0

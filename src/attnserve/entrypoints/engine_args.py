@@ -101,6 +101,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="StreamingLLM: and the last W tokens (with --streaming-sinks; default: off)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs (default: graphs on CUDA)")
+    g.add_argument("--skip-weight-check", dest="check_weights_finite", action="store_false", default=None,
+                   help="load weights without checking them for NaN and Inf (default: checked, one "
+                        "pass over them on the device)")
     g.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
                    help="the model's generation_config.json: 'auto' applies its EOS ids and default "
                         "sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
@@ -116,7 +119,7 @@ _ENGINE_KEYS = ("tokenizer", "revision", "attention_backend", "kv_cache_dtype", 
                 "num_gpu_blocks_override", "enable_prefix_caching", "load_format", "dtype", "max_logprobs",
                 "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir",
                 "kv_offload_sparse_latents", "kv_offload_sparse_latents_size", "tensor_parallel_size",
-                "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager",
+                "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager", "check_weights_finite",
                 "async_scheduling", "generation_config")
 
 

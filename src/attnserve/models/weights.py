@@ -2,7 +2,8 @@
 
 A model maps each checkpoint name to one of its parameters (and a shard of it, for fused
 projections); each parameter's ``weight_loader`` puts the tensor in place. Missing or
-unexpected tensors and unreadable files are errors that name the tensor or the file.
+unexpected tensors and unreadable files are errors that name the tensor or the file, and so are
+NaN or Inf in the loaded weights (``check_finite_weights``, one pass on the device they landed on).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from torch import nn
 
 from attnserve.layers.linear import Target, default_weight_loader
 
-__all__ = ["dummy_init", "iter_safetensors", "load_named_weights"]
+__all__ = ["check_finite_weights", "dummy_init", "iter_safetensors", "load_named_weights"]
+
+_CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -94,3 +97,37 @@ def dummy_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
             if p.dim() >= 2:  # drawn where the parameter lives: an 8B model on a GPU takes seconds
                 gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
                 p.normal_(0.0, std, generator=gen)
+
+
+def check_finite_weights(model: nn.Module, model_dir: str | Path | None = None, shown: int = 4) -> None:
+    """Raises ValueError when a parameter holds NaN or Inf, naming the first ``shown`` of them
+    with their counts and, read again from ``model_dir`` (only then), the checkpoint tensors
+    that hold them; checkpoint tensors all finite mean the values overflowed the model's dtype.
+
+    Cheap: one ``isfinite().all()`` per parameter where it lives and one host sync per device;
+    parameters of other dtypes (quantised integers, fp8) are not checked."""
+    params = [(name, p) for name, p in model.named_parameters() if p.dtype in _CHECKED_DTYPES]
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for name, p in params:
+            by_device.setdefault(p.device, []).append((name, torch.isfinite(p).all()))
+        bad = [name for flags in by_device.values()
+               for (name, _), ok in zip(flags, torch.stack([f for _, f in flags]).tolist()) if not ok]
+        if not bad:
+            return
+        named = dict(params)
+        counts = [f"'{n}' ({int(named[n].isnan().sum())} NaN, {int(named[n].isinf().sum())} Inf)"
+                  for n in bad[:shown]]
+    more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
+    message = f"the model's weights hold NaN or Inf: parameter {', '.join(counts)}{more}"
+    if model_dir is not None:
+        found = []
+        for name, tensor in iter_safetensors(model_dir):
+            if tensor.dtype in _CHECKED_DTYPES and not bool(torch.isfinite(tensor).all()):
+                found.append(f"'{name}'")
+                if len(found) == shown:
+                    break
+        dtype = named[bad[0]].dtype
+        message += (f"; in the checkpoint: {', '.join(found)}" if found else
+                    f"; every checkpoint tensor is finite, so values overflow {dtype} (try another dtype)")
+    raise ValueError(message + " (check_weights_finite=False / --skip-weight-check loads them anyway)")

@@ -14,6 +14,7 @@ Not here: tokenising, talking to the engine, building responses from engine outp
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from attnserve.engine.engine import PromptError, check_params_for_model
 from attnserve.sampling_params import SamplingParams, StructuredOutputsParams
+from attnserve.template_sandbox import TemplateBounds
 
 __all__ = [
     "ChatCompletionRequest",
@@ -472,12 +474,33 @@ class ServerLimits:
     max_n: int = 128  # completions per prompt
     max_prompts: int = 1024  # prompts per completion request
     trust_request_chat_template: bool = False  # a template sent in the request may be rendered
+    # a template sent in the request (when trusted): its size, and bounds on rendering it
+    # (template_sandbox.TemplateBounds: time, and the characters of any value and the output)
+    max_chat_template_bytes: int = 64 << 10
+    chat_template_timeout_s: float = 2.0
+    max_chat_template_output_chars: int = 16 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_request_body_bytes", "max_n", "max_prompts"):
+        for name in ("max_request_body_bytes", "max_n", "max_prompts", "max_chat_template_bytes",
+                     "max_chat_template_output_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        t = self.chat_template_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"chat_template_timeout_s must be positive seconds, got {t!r}")
+
+    @property
+    def template_bounds(self) -> TemplateBounds:
+        """How a template sent in a request renders."""
+        return TemplateBounds(self.max_chat_template_output_chars, self.chat_template_timeout_s)
+
+    def check_chat_template(self, template: str, param: str) -> None:
+        """A 400 naming ``param`` for a request-sent template above the size limit."""
+        size = len(template.encode("utf-8", "surrogatepass"))
+        if size > self.max_chat_template_bytes:
+            raise OpenAIError(f"the chat template is {size} bytes, above this server's limit of "
+                              f"{self.max_chat_template_bytes} (--max-chat-template-bytes)", param=param)
 
     def check(self, n: int, num_prompts: int = 1) -> None:
         """A 400 naming the field when a request asks for more than these limits allow."""

@@ -51,6 +51,7 @@ from attnserve.entrypoints.openai.protocol import (
 from attnserve.entrypoints.openai.serving_completion import (
     StreamProgress,
     compile_constraint,
+    raise_if_failed,
     stop_holdback,
 )
 from attnserve.outputs import Logprob, RequestOutput
@@ -98,6 +99,7 @@ class OpenAIServingChat:
         final: RequestOutput | None = None
         async with aclosing(stream):
             async for out in stream:
+                raise_if_failed(out)
                 final = out
         if final is None or not final.finished:
             raise OpenAIError("the request was aborted", status=500)
@@ -135,6 +137,10 @@ class OpenAIServingChat:
                 "--trust-request-chat-template to allow them)",
                 param=sent[0][0],
             )
+        if sent:
+            if not isinstance(sent[0][1], str):
+                raise OpenAIError("a chat template is a string (Jinja source)", param=sent[0][0])
+            self.limits.check_chat_template(sent[0][1], sent[0][0])
         template = sent[0][1] if sent else self.chat_template
         if tok is None or (template is None and not tok.has_chat_template):
             raise OpenAIError(
@@ -151,10 +157,11 @@ class OpenAIServingChat:
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=template,
                 tools=req.tools,
+                bounds=self.limits.template_bounds if sent else None,  # nobody vetted it
                 **kwargs,
             )
         except (ValueError, TypeError, TemplateError) as e:
-            raise OpenAIError(f"the chat template failed: {e}", param="messages") from e
+            raise OpenAIError(f"the chat template failed: {e}", param=sent[0][0] if sent else "messages") from e
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
         if not ids:
             raise OpenAIError("the rendered conversation is empty", param="messages")
@@ -216,6 +223,7 @@ class OpenAIServingChat:
             )
             async with aclosing(stream):
                 async for final in stream:
+                    raise_if_failed(final)  # an error event, then [DONE]
                     choices = []
                     for c in final.outputs:
                         p = progress[c.index]

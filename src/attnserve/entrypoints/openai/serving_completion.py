@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from attnserve.detokenizer import decode_token
 from attnserve.engine.async_engine import AsyncLLMEngine
-from attnserve.engine.engine import truncate_prompt_ids
+from attnserve.engine.engine import PromptError, truncate_prompt_ids
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -41,7 +41,8 @@ from attnserve.entrypoints.openai.protocol import (
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 from attnserve.sampling_params import SamplingParams
 
-__all__ = ["OpenAIServingCompletion", "StreamProgress", "compile_constraint", "merge", "stop_holdback"]
+__all__ = ["OpenAIServingCompletion", "StreamProgress", "compile_constraint", "merge", "raise_if_failed",
+           "stop_holdback"]
 
 T = TypeVar("T")
 _DONE = object()
@@ -75,6 +76,22 @@ class StreamProgress:
 def stop_holdback(stop: str | list[str] | None) -> int:
     stops = [stop] if isinstance(stop, str) else (stop or [])
     return max((len(s) for s in stops), default=1) - 1
+
+
+def raise_if_failed(out: RequestOutput) -> None:
+    """An ``OpenAIError`` when a completion of ``out`` failed inside the engine (finish reason
+    "error": a step or its output processing raised on this request alone, or its grammar
+    refused a token; the message is in ``stop_reason``). A ``PromptError`` (a request the engine
+    found it cannot serve) is the client's fault, a 400; anything else is the server's, a 500.
+    Clients thus see a failure, not a choice cut short: the whole response fails, as vLLM's does,
+    and the request's other completions are aborted when its stream closes."""
+    for c in out.outputs:
+        if c.finish_reason != "error":
+            continue
+        reason = str(c.stop_reason or "unknown error")
+        if reason.startswith(f"{PromptError.__name__}: "):
+            raise OpenAIError(f"the request cannot be served: {reason.partition(': ')[2]}")
+        raise OpenAIError(f"the request failed in the engine: {reason}", status=500)
 
 
 async def compile_constraint(engine: AsyncLLMEngine, req: CompletionRequest | ChatCompletionRequest,
@@ -172,6 +189,7 @@ class OpenAIServingCompletion:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         async with aclosing(merge(streams)) as merged:
             async for i, out in merged:
+                raise_if_failed(out)
                 finals[i] = out
         if any(f is None or not f.finished for f in finals):
             raise OpenAIError("the request was aborted", status=500)
@@ -258,6 +276,7 @@ class OpenAIServingCompletion:
         try:
             async with aclosing(merge(streams)) as merged:
                 async for i, out in merged:
+                    raise_if_failed(out)  # an error event, then [DONE]
                     finals[i] = out
                     choices = []
                     for c in out.outputs:
