@@ -434,3 +434,65 @@ def test_cuda_store_survives_an_overwrite_that_follows_it():
     torch.cuda.synchronize()
     for key, (a, b) in caches.items():
         assert torch.equal(a[n + 1:], original[key][0][1:n + 1]) and torch.equal(b[n + 1:], original[key][1][1:n + 1])
+
+
+# --- a disk tier shared between engines and kept across restarts (issue #24) ----------------------
+
+
+def test_engines_on_one_directory_share_blocks_and_a_restart_keeps_them(tmp_path):
+    """A second engine of the same model on the directory, then a restarted one, get the first
+    engine's prefix from the disk as exact hits (the same outputs and logprobs as computing it
+    in the same chunks); an engine of another model on the directory gets no hit, and leaves
+    the first model's files alone."""
+    path, other_path = tmp_path / "llama", tmp_path / "other"
+    build_hf_model(*LLAMA, path)
+    build_hf_model(*LLAMA, other_path, seed=1)
+    prefix = make_prompts([32], seed=5)[0]
+    later = [prefix + [7, 8, 9]]
+    kw = dict(dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks_override=40)
+    disk = dict(kv_offloading_size=0.01, kv_offloading_backend="disk", kv_offloading_dir=str(tmp_path / "tier"))
+    scratch = dict(kw, enable_prefix_caching=False, max_num_batched_tokens=32)  # the prefix, then the rest
+    reference = outputs(run_engine(LLM(str(path), **scratch), later, greedy()))
+    first = LLM(str(path), **kw, **disk)
+    run_engine(first, [prefix], greedy())
+    files = sorted((tmp_path / "tier").rglob("*.kvb"))
+    assert len(files) >= 8, "the prefix's eight blocks (and more) are on the disk"
+
+    def served_from_disk(llm) -> None:
+        out = run_engine(llm, later, greedy())
+        assert llm.llm_engine.scheduler.stats.offload_hit_tokens == 32, "the prefix did not come from the disk"
+        assert out[0].num_cached_tokens == 32 and outputs(out) == reference
+        tier = llm.llm_engine.runner.offload.tier
+        assert tier.adopted >= 8 and tier.failures == 0
+
+    served_from_disk(LLM(str(path), **kw, **disk))  # a second engine, while the first runs
+    del first
+    restarted = LLM(str(path), **kw, **disk)
+    assert len(restarted.llm_engine.runner.offload.tier._unclaimed) >= 8  # counted against its capacity
+    served_from_disk(restarted)
+    other = LLM(str(other_path), **kw, **disk)
+    assert not other.llm_engine.runner.offload.tier._unclaimed
+    out = run_engine(other, later, greedy())
+    assert other.llm_engine.scheduler.stats.offload_hit_tokens == 0
+    assert outputs(out) != reference  # the models differ: a hit across them would have shown
+    assert all(f.exists() for f in files) and other.llm_engine.runner.offload.tier.failures == 0
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """A restarted engine finds its blocks only if a prompt hashes the same in a new process
+    (Python's ``hash(None)``, the first block's parent, changes between processes before 3.12)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from attnserve.kvcache import block_pool
+
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('bp', sys.argv[1]); "
+            "m = sys.modules['bp'] = u.module_from_spec(s); s.loader.exec_module(m); "
+            "print(m.hash_block_tokens(m.hash_block_tokens(None, [5, 6, 7, 8]), [9, 10, 11, 12]))")
+    here = block_pool.hash_block_tokens(block_pool.hash_block_tokens(None, [5, 6, 7, 8]), [9, 10, 11, 12])
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code, str(Path(block_pool.__file__))], capture_output=True,
+                             text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert int(out.stdout) == here
+    assert block_pool.hash_block_tokens(None, [5, 6, 7, 8]) != block_pool.hash_block_tokens(None, [5, 6, 7, 9])
