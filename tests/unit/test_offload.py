@@ -496,3 +496,23 @@ def test_block_hashes_are_the_same_in_every_process():
                              text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed})
         assert int(out.stdout) == here
     assert block_pool.hash_block_tokens(None, [5, 6, 7, 8]) != block_pool.hash_block_tokens(None, [5, 6, 7, 9])
+
+
+def test_model_identity_names_the_weights(tmp_path):
+    """Weights replaced in place, another seed of random weights, another cache dtype or block
+    layout: another identity, so the disk tier's files of the old one are never read."""
+    from attnserve.config import CacheConfig, EngineConfig, ModelConfig
+    from attnserve.engine.builder import _model_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    config = EngineConfig(ModelConfig(str(tmp_path)))
+    same = _model_identity(config, tmp_path, 16, 1024)
+    assert _model_identity(config, tmp_path, 16, 1024) == same
+    assert _model_identity(config, tmp_path, 16, 2048) != same
+    assert _model_identity(EngineConfig(ModelConfig(str(tmp_path)), CacheConfig(kv_cache_dtype="fp8")),
+                           tmp_path, 16, 1024) != same
+    dummy = [_model_identity(EngineConfig(ModelConfig(str(tmp_path), load_format="dummy", seed=s)), tmp_path, 16, 1024)
+             for s in (0, 1)]
+    assert dummy[0] != dummy[1]
+    (tmp_path / "model.safetensors").write_bytes(b"retrained")
+    assert _model_identity(config, tmp_path, 16, 1024) != same
