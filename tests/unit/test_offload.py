@@ -58,33 +58,44 @@ def test_disk_tier_roundtrip_and_corruption(tmp_path, caplog):
     tier.put(("a", 0), data)
     tier.put(("b", 0), data + 1)
     assert torch.equal(tier.get(("a", 0)), data)
-    files = sorted(tmp_path.iterdir())
-    raw = bytearray(files[0].read_bytes())
+    a, b = tier._path(("a", 0)), tier._path(("b", 0))
+    assert sorted(tmp_path.rglob("*.kvb")) == sorted([a, b])  # named by content, in fan-out directories
+    raw = bytearray(a.read_bytes())
     raw[-1] ^= 0xFF  # flip bits in the payload
-    files[0].write_bytes(bytes(raw))
-    files[1].unlink()
+    a.write_bytes(bytes(raw))
+    b.unlink()
     with caplog.at_level(logging.WARNING):
         assert tier.get(("a", 0)) is None and tier.get(("b", 0)) is None
     assert "corrupt" in caplog.text and tier.failures == 2 and len(tier) == 0
+    assert not a.exists(), "a corrupt file of ours is removed"
+    assert ("a", 0) not in tier and tier.get(("a", 0)) is None and tier.failures == 2  # a plain miss now
 
 
 def test_disk_tier_files_belong_to_their_key_and_engine(tmp_path, caplog):
     """Issue #24: two engines on one directory wrote each other's slots and served each other's
-    KV; two swapped files passed the checksum. The key's digest (with the engine's namespace) is
-    in the checksummed header now: both read as misses."""
+    KV; two swapped files passed the checksum. Files are named by the model's identity and the
+    key now, which the checksummed header repeats: a file moved onto another's name reads as a
+    miss, and is not deleted."""
     data = torch.arange(16, dtype=torch.uint8)
     mine = DiskTier(capacity=2, blob_bytes=16, directory=tmp_path, namespace="model A")
     theirs = DiskTier(capacity=2, blob_bytes=16, directory=tmp_path, namespace="model B")
     mine.put(("p", 0), data)
-    theirs.put(("p", 0), data + 7)  # same prompt key, same slot file: it replaces mine on disk
+    theirs.put(("p", 0), data + 7)  # same prompt key, another model: another file
+    assert mine._path(("p", 0)) != theirs._path(("p", 0)) and len(list(tmp_path.rglob("*.kvb"))) == 2
+    assert torch.equal(mine.get(("p", 0)), data) and torch.equal(theirs.get(("p", 0)), data + 7)
+    foreign = theirs._path(("p", 0)).read_bytes()
+    mine._path(("p", 0)).write_bytes(foreign)  # model B's bytes under model A's name
     with caplog.at_level(logging.WARNING):
-        assert mine.get(("p", 0)) is None  # not model B's bytes
-    assert "another block" in caplog.text
-    assert torch.equal(theirs.get(("p", 0)), data + 7)
+        assert mine.get(("p", 0)) is None
+    assert "another block" in caplog.text and mine.failures == 1
+    assert mine._path(("p", 0)).read_bytes() == foreign, "a file that is not ours is not deleted"
+    assert ("p", 0) not in mine  # and not looked at again until this tier writes the block
+    mine.put(("p", 0), data)
+    assert torch.equal(mine.get(("p", 0)), data)
     swapped = DiskTier(capacity=2, blob_bytes=16, directory=tmp_path / "s", namespace="A")
     swapped.put(("x", 0), data)
     swapped.put(("y", 0), data + 1)
-    a, b = swapped._path(swapped.index[("x", 0)]), swapped._path(swapped.index[("y", 0)])
+    a, b = swapped._path(("x", 0)), swapped._path(("y", 0))
     raw_a, raw_b = a.read_bytes(), b.read_bytes()
     a.write_bytes(raw_b)
     b.write_bytes(raw_a)
@@ -95,21 +106,56 @@ def test_disk_tier_follows_no_link_and_counts_failed_writes(tmp_path, monkeypatc
     target = tmp_path / "precious"
     target.write_bytes(b"keep me")
     tier = DiskTier(capacity=1, blob_bytes=16, directory=tmp_path / "tier")
-    tier._path(0).symlink_to(target)  # planted where slot 0's file goes
+    path = tier._path(("k", 0))
+    path.parent.mkdir()
+    path.symlink_to(target)  # planted where the block's file goes
+    assert ("k", 0) not in tier
     tier.put(("k", 0), torch.ones(16, dtype=torch.uint8))
-    assert target.read_bytes() == b"keep me" and not tier._path(0).is_symlink()
+    assert target.read_bytes() == b"keep me" and not path.is_symlink()
     assert torch.equal(tier.get(("k", 0)), torch.ones(16, dtype=torch.uint8))
-    tier._path(0).unlink()
-    tier._path(0).symlink_to(target)  # a link planted after the write is not read through
-    assert tier.get(("k", 0)) is None
+    path.unlink()
+    path.symlink_to(target)  # a link planted after the write is not read through, nor deleted
+    assert tier.get(("k", 0)) is None and path.is_symlink() and target.read_bytes() == b"keep me"
+    # a fan-out directory that is a link is not entered
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    linked = tier._path(("l", 0))
+    linked.parent.symlink_to(elsewhere)
+    tier.put(("l", 0), torch.ones(16, dtype=torch.uint8))
+    assert ("l", 0) not in tier and not list(elsewhere.iterdir()) and tier.failures == 2
     # a full disk: the write fails, is counted, and the block is not stored
     real_open = os.open
-    monkeypatch.setattr(os, "open", lambda path, flags, *a: (_ for _ in ()).throw(OSError(28, "No space left"))
-                        if str(path).endswith(".tmp") else real_open(path, flags, *a))
+    monkeypatch.setattr(os, "open", lambda path, flags, *a, **kw: (_ for _ in ()).throw(OSError(28, "No space left"))
+                        if str(path).endswith(".tmp") else real_open(path, flags, *a, **kw))
     buf = tier.reserve(("full", 0), 16)
     buf.fill_(3)
-    assert tier.commit(("full", 0)) is False and ("full", 0) not in tier and tier.failures == 2
-    assert not list((tmp_path / "tier").glob("*.tmp"))
+    assert tier.commit(("full", 0)) is False and ("full", 0) not in tier and tier.failures == 3
+    assert not list((tmp_path / "tier").rglob("*.tmp"))
+
+
+def test_disk_tier_shares_blocks_and_keeps_them_across_restarts(tmp_path):
+    """Engines of one model on one directory find each other's blocks; a new tier on the
+    directory counts this model's files against its capacity and evicts them first; another
+    model's files are neither counted nor deleted."""
+    blob = lambda k: torch.full((16,), k, dtype=torch.uint8)  # noqa: E731
+    first = DiskTier(capacity=3, blob_bytes=16, directory=tmp_path, namespace="A")
+    for k in range(3):
+        first.put(("b", k), blob(k))
+        os.utime(first._path(("b", k)), ns=(k * 10**9, k * 10**9))  # written in this order
+    other = DiskTier(capacity=2, blob_bytes=16, directory=tmp_path, namespace="B")
+    other.put(("b", 0), blob(9))
+    second = DiskTier(capacity=3, blob_bytes=16, directory=tmp_path, namespace="A")  # a restart, or a peer
+    assert len(second._unclaimed) == 3 and len(second) == 0 and not second._free
+    assert ("b", 1) in second and ("b", 5) not in second
+    assert torch.equal(second.get(("b", 1)), blob(1)) and second.adopted == 1 and len(second) == 1
+    second.put(("new", 0), blob(7))  # full: an unclaimed file goes, oldest first
+    assert not first._path(("b", 0)).exists() and first._path(("b", 2)).exists() and second.evictions == 1
+    assert other._path(("b", 0)).exists(), "another model's file is not ours to evict"
+    second.put(("new", 1), blob(8))  # then the least recently used
+    assert not first._path(("b", 2)).exists() and first._path(("b", 1)).exists()
+    assert torch.equal(first.get(("new", 1)), blob(8)) and first.adopted == 1  # and back the other way
+    small = DiskTier(capacity=1, blob_bytes=16, directory=tmp_path, namespace="A")  # a smaller budget
+    assert len(small._unclaimed) == 1 and len(list(tmp_path.rglob("*.kvb"))) == 2  # B's and one of A's
 
 
 def test_disk_tier_directory_that_is_a_file_is_a_clear_error(tmp_path):
@@ -214,7 +260,7 @@ def test_corrupt_and_missing_files_fall_back_to_recompute(tmp_path, caplog):
     llm = LLM(str(path), **kw, kv_offloading_size=0.01, kv_offloading_backend="disk", kv_offloading_dir=str(tier_dir))
     run_engine(llm, [prefix], greedy())
     evict_device_cache(llm)
-    files = sorted(tier_dir.iterdir())
+    files = sorted(tier_dir.rglob("*.kvb"))
     assert files
     for f in files[::2]:  # corrupt some blocks, delete others
         f.write_bytes(b"garbage")
@@ -388,3 +434,85 @@ def test_cuda_store_survives_an_overwrite_that_follows_it():
     torch.cuda.synchronize()
     for key, (a, b) in caches.items():
         assert torch.equal(a[n + 1:], original[key][0][1:n + 1]) and torch.equal(b[n + 1:], original[key][1][1:n + 1])
+
+
+# --- a disk tier shared between engines and kept across restarts (issue #24) ----------------------
+
+
+def test_engines_on_one_directory_share_blocks_and_a_restart_keeps_them(tmp_path):
+    """A second engine of the same model on the directory, then a restarted one, get the first
+    engine's prefix from the disk as exact hits (the same outputs and logprobs as computing it
+    in the same chunks); an engine of another model on the directory gets no hit, and leaves
+    the first model's files alone."""
+    path, other_path = tmp_path / "llama", tmp_path / "other"
+    build_hf_model(*LLAMA, path)
+    build_hf_model(*LLAMA, other_path, seed=1)
+    prefix = make_prompts([32], seed=5)[0]
+    later = [prefix + [7, 8, 9]]
+    kw = dict(dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks_override=40)
+    disk = dict(kv_offloading_size=0.01, kv_offloading_backend="disk", kv_offloading_dir=str(tmp_path / "tier"))
+    scratch = dict(kw, enable_prefix_caching=False, max_num_batched_tokens=32)  # the prefix, then the rest
+    reference = outputs(run_engine(LLM(str(path), **scratch), later, greedy()))
+    first = LLM(str(path), **kw, **disk)
+    run_engine(first, [prefix], greedy())
+    files = sorted((tmp_path / "tier").rglob("*.kvb"))
+    assert len(files) >= 8, "the prefix's eight blocks (and more) are on the disk"
+
+    def served_from_disk(llm) -> None:
+        out = run_engine(llm, later, greedy())
+        assert llm.llm_engine.scheduler.stats.offload_hit_tokens == 32, "the prefix did not come from the disk"
+        assert out[0].num_cached_tokens == 32 and outputs(out) == reference
+        tier = llm.llm_engine.runner.offload.tier
+        assert tier.adopted >= 8 and tier.failures == 0
+
+    served_from_disk(LLM(str(path), **kw, **disk))  # a second engine, while the first runs
+    del first
+    restarted = LLM(str(path), **kw, **disk)
+    assert len(restarted.llm_engine.runner.offload.tier._unclaimed) >= 8  # counted against its capacity
+    served_from_disk(restarted)
+    other = LLM(str(other_path), **kw, **disk)
+    assert not other.llm_engine.runner.offload.tier._unclaimed
+    out = run_engine(other, later, greedy())
+    assert other.llm_engine.scheduler.stats.offload_hit_tokens == 0
+    assert outputs(out) != reference  # the models differ: a hit across them would have shown
+    assert all(f.exists() for f in files) and other.llm_engine.runner.offload.tier.failures == 0
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """A restarted engine finds its blocks only if a prompt hashes the same in a new process
+    (Python's ``hash(None)``, the first block's parent, changes between processes before 3.12)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from attnserve.kvcache import block_pool
+
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('bp', sys.argv[1]); "
+            "m = sys.modules['bp'] = u.module_from_spec(s); s.loader.exec_module(m); "
+            "print(m.hash_block_tokens(m.hash_block_tokens(None, [5, 6, 7, 8]), [9, 10, 11, 12]))")
+    here = block_pool.hash_block_tokens(block_pool.hash_block_tokens(None, [5, 6, 7, 8]), [9, 10, 11, 12])
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code, str(Path(block_pool.__file__))], capture_output=True,
+                             text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert int(out.stdout) == here
+    assert block_pool.hash_block_tokens(None, [5, 6, 7, 8]) != block_pool.hash_block_tokens(None, [5, 6, 7, 9])
+
+
+def test_model_identity_names_the_weights(tmp_path):
+    """Weights replaced in place, another seed of random weights, another cache dtype or block
+    layout: another identity, so the disk tier's files of the old one are never read."""
+    from attnserve.config import CacheConfig, EngineConfig, ModelConfig
+    from attnserve.engine.builder import _model_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    config = EngineConfig(ModelConfig(str(tmp_path)))
+    same = _model_identity(config, tmp_path, 16, 1024)
+    assert _model_identity(config, tmp_path, 16, 1024) == same
+    assert _model_identity(config, tmp_path, 16, 2048) != same
+    assert _model_identity(EngineConfig(ModelConfig(str(tmp_path)), CacheConfig(kv_cache_dtype="fp8")),
+                           tmp_path, 16, 1024) != same
+    dummy = [_model_identity(EngineConfig(ModelConfig(str(tmp_path), load_format="dummy", seed=s)), tmp_path, 16, 1024)
+             for s in (0, 1)]
+    assert dummy[0] != dummy[1]
+    (tmp_path / "model.safetensors").write_bytes(b"retrained")
+    assert _model_identity(config, tmp_path, 16, 1024) != same

@@ -9,6 +9,7 @@ file groups nothing and selects no backend: it allocates what the plan says.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,23 @@ _PROFILED_DEVICES = ("cuda",)  # the profiling pass runs where memory is sized b
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _model_identity(config: EngineConfig, model_dir: Path, block_size: int, blob: int) -> str:
+    """What must agree for two engines to share disk tier blocks: the model (its resolved
+    directory, where a hub id's snapshot path names its commit, and the name, size and time of
+    each file in it, so weights replaced in place are another model; the seed of random
+    weights), the dtypes that shape the cache, the block size and the blob layout. Engines that
+    differ in any of these name their files differently and never read each other's."""
+    files = []
+    for f in sorted(model_dir.iterdir()):
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            files.append((f.name, st.st_size, st.st_mtime_ns))
+    m, c = config.model, config.cache
+    return repr((str(model_dir.resolve()), tuple(files), m.load_format, m.seed if m.load_format == "dummy" else None,
+                 m.dtype, c.kv_cache_dtype, c.indexer_cache_dtype, c.mamba_ssm_cache_dtype,
+                 (c.streaming_sinks, c.streaming_window), config.parallel.tensor_parallel_size, block_size, blob))
+
+
 def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dict, state_caches: list,
                    device: torch.device, model_dir: Path):
     """The offload tier and manager when ``kv_offloading_size`` is set, else (None, None)."""
@@ -79,12 +97,8 @@ def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dic
     if off.kv_offloading_backend == "disk":
         if not off.kv_offloading_dir:
             raise ValueError("kv_offloading_backend 'disk' needs kv_offloading_dir, the directory to keep blocks in")
-        # the files say which model (and cache layout) wrote them: another engine's are misses
-        # (the resolved directory: a hub id's snapshot path names its commit)
-        namespace = repr((str(model_dir.resolve()), config.model.dtype, config.cache.kv_cache_dtype,
-                          groups[0].block_size, blob))
         tier = DiskTier(capacity, blob, off.kv_offloading_dir, pin_memory=device.type == "cuda",
-                        namespace=namespace)
+                        namespace=_model_identity(config, model_dir, groups[0].block_size, blob))
     else:
         tier = HostTier(capacity, blob, pin_memory=device.type == "cuda")
     manager = OffloadManager(tier, len(groups), groups[0].block_size, has_state=bool(state_caches),

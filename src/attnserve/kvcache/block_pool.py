@@ -8,6 +8,8 @@ blocks a sliding window has dropped. This file knows block ids and hashes, not t
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,8 +19,23 @@ BlockHash = int
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Iterable[int], extra: tuple = ()) -> BlockHash:
-    """Chained hash of one full block: its parent's hash, its tokens, and extra keys."""
-    return hash((parent, tuple(token_ids), extra))
+    """Chained hash of one full block: its parent's hash, its tokens, and extra keys.
+
+    A 128-bit BLAKE2b digest, not Python's ``hash``: the same tokens give the same hash in every
+    process (the disk tier finds blocks another engine, or this one before a restart, wrote;
+    ``hash(None)`` changes between processes before Python 3.12), and no prompt can be crafted
+    to collide with another's blocks (a shared prefix cache would serve it the other's KV)."""
+    tokens = tuple(token_ids)
+    try:
+        packed = b"q" + array("q", tokens).tobytes()
+    except (OverflowError, TypeError):  # ids beyond int64 are refused at the door; stay correct anyway
+        packed = b"r" + repr(tokens).encode()
+    h = hashlib.blake2b(b"-" if parent is None else b"%d" % parent, digest_size=16)
+    h.update(b"|%d|" % len(packed))
+    h.update(packed)
+    if extra:
+        h.update(repr(extra).encode())
+    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass(eq=False, slots=True)

@@ -3,8 +3,11 @@
 A tier stores fixed-size byte blobs (one KV cache block of one group, all layers contiguous,
 or one state snapshot) under a key, with least-recently-used eviction when full. ``host`` keeps
 them in one preallocated (pinned, on CUDA machines) byte buffer; ``disk`` keeps one file per
-blob under a directory, with a checksum and the key's digest, so a corrupt, missing, moved or
-foreign file reads as a miss and the engine recomputes instead of answering wrongly. A tier knows bytes and keys, not models.
+blob under a directory, named by the model's identity and the key, with both and a checksum in
+its header, so a corrupt, missing, moved or foreign file reads as a miss and the engine
+recomputes instead of answering wrongly; engines of one model share the directory's blocks, and
+a restarted engine finds its earlier ones. A tier knows bytes and keys, not models (the disk
+tier is given the model's identity as an opaque string).
 
 Copies into and out of a tier may be asynchronous (``runner/offload_io.py``), so a store is two
 steps: ``reserve`` gives the buffer to copy into (the host tier's own slot, or a staging buffer
@@ -20,6 +23,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import secrets
+import stat
 import struct
 import zlib
 from collections import Counter, OrderedDict
@@ -137,19 +142,38 @@ class HostTier(OffloadTier):
         return self.buffer[slot, : self.lengths[slot]]
 
 
-_MAGIC = b"ATSVKV02"
-_HEADER = struct.Struct("<8sQI32s")  # magic, payload length, crc32 of key digest + payload, key digest
+_MAGIC = b"ATSVKV03"
+# magic, payload length, crc32 of (model id, key digest, payload), the model's id, the key's digest
+_HEADER = struct.Struct("<8sQI32s32s")
+_IDS = slice(20, _HEADER.size)  # the model id and the key digest, as the checksum covers them
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_READ = os.O_RDONLY | _NO_FOLLOW | getattr(os, "O_NONBLOCK", 0)  # a planted FIFO does not block a read
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_HEX = frozenset("0123456789abcdef")
+
+
+class _NotOurs(ValueError):
+    """The file is not this engine's block (another model's, another key's, a link, a stray
+    file): a miss, and never deleted."""
 
 
 class DiskTier(OffloadTier):
-    """One file per blob: header (magic, length, crc32, the key's digest) then the raw bytes.
+    """One file per blob, named by its content: ``<dir>/<h[:2]>/<h[2:]>.kvb`` where ``h`` is the
+    hex SHA-256 of ``namespace`` (the engine's model identity) and the key. The header holds the
+    model's id (SHA-256 of the namespace), that key digest, the payload's length and a checksum
+    over all three; every read checks them, so a corrupt file, or one another model's engine (or
+    a swap, or a user) put there, reads as a miss, never as another prompt's or model's KV.
 
-    The digest is SHA-256 of ``namespace`` (the engine's model identity) and the key, checked on
-    every read along with the checksum: a file another engine wrote into the same directory, or
-    two files swapped, read as misses, never as another prompt's or another model's KV. Files are
-    written to a temporary name and renamed into place (a reader never sees half a block), and no
-    symbolic link is followed, read or written. A failed write is counted (``failures``) and the
+    Engines of the same model on one directory write the same name with the same bytes, so they
+    share blocks: a lookup the in-memory index misses asks the directory, and a block found and
+    verified there is adopted (it counts against this tier's capacity from then on). At start the
+    tier counts this model's files left by an earlier run, keys unknown until a lookup names them,
+    against its capacity (the oldest evicted first; beyond capacity the oldest are removed).
+
+    Files are written to a unique temporary name and renamed into place, so a reader (this engine
+    or another) sees a whole old file or a whole new one. No symbolic link is followed, read or
+    written, below the directory. A file is deleted (on eviction, or when its checksum fails) only
+    when its header names this model and its key; a failed write is counted (``failures``) and the
     block stays unstored.
     """
 
@@ -161,18 +185,139 @@ class DiskTier(OffloadTier):
             raise ValueError(f"kv_offloading_dir '{self.dir}' exists and is not a directory")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._root = os.open(self.dir, os.O_RDONLY | _DIRECTORY)
         except OSError as e:
-            raise ValueError(f"kv_offloading_dir '{self.dir}' cannot be created: {e}") from e
+            raise ValueError(f"kv_offloading_dir '{self.dir}' cannot be created or opened: {e}") from e
         self.namespace = namespace.encode()
+        self.model_id = hashlib.sha256(b"attnserve kv model\0" + self.namespace).digest()
         self.pin_memory = pin_memory  # staging buffers of stores (CUDA copies into them)
         self.failures = 0
+        self.adopted = 0  # blocks found in the directory (an earlier run's, another engine's)
         self._staging: dict[Key, torch.Tensor] = {}
+        self._bad: set[Key] = set()  # keys whose file is not ours: absent until this tier writes them
+        self._unclaimed: OrderedDict[str, int] = OrderedDict()  # this model's files, key unknown -> slot
+        self._scan()
 
-    def _path(self, slot: int) -> Path:
-        return self.dir / f"block_{slot:08d}.kvb"
+    def close(self) -> None:
+        if self._root >= 0:
+            os.close(self._root)
+            self._root = -1
 
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # --- names and files --------------------------------------------------------------------
     def _digest(self, key: Key) -> bytes:
         return hashlib.sha256(self.namespace + b"\0" + repr(key).encode()).digest()
+
+    def _path(self, key: Key) -> Path:
+        h = self._digest(key).hex()
+        return self.dir / h[:2] / f"{h[2:]}.kvb"
+
+    def _subdir(self, h: str, create: bool = False) -> int:
+        """A descriptor of the fan-out directory of name ``h`` (not a link: that raises OSError)."""
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(h[:2], 0o700, dir_fd=self._root)
+        return os.open(h[:2], os.O_RDONLY | _DIRECTORY | _NO_FOLLOW, dir_fd=self._root)
+
+    def _read(self, h: str, limit: int) -> bytes:
+        """At most ``limit`` bytes of file ``h``: a regular file, reached through no link."""
+        sub = self._subdir(h)
+        try:
+            fd = os.open(f"{h[2:]}.kvb", _READ, dir_fd=sub)
+        finally:
+            os.close(sub)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _NotOurs("not a regular file")
+            return f.read(limit)
+
+    def _check(self, raw: bytes, digest: bytes) -> bytes:
+        """The payload of ``raw`` if it is this model's block of ``digest`` (raises otherwise)."""
+        if len(raw) < _HEADER.size:
+            raise _NotOurs("too short for a header")
+        magic, length, crc, model_id, key_digest = _HEADER.unpack_from(raw)
+        if magic != _MAGIC or model_id != self.model_id or key_digest != digest:
+            raise _NotOurs("it holds another block (another model's, another key's, or moved)")
+        payload = raw[_HEADER.size:]
+        if length != len(payload) or zlib.crc32(payload, zlib.crc32(raw[_IDS])) != crc:
+            raise ValueError("bad checksum or length")
+        return payload
+
+    def _unlink_if_ours(self, h: str) -> None:
+        """Remove file ``h`` if its header names this model and that key; leave anything else."""
+        with contextlib.suppress(OSError, ValueError):
+            head = self._read(h, _HEADER.size)
+            if len(head) == _HEADER.size and head[:8] == _MAGIC and \
+                    head[_IDS] == self.model_id + bytes.fromhex(h):
+                sub = self._subdir(h)
+                try:
+                    os.unlink(f"{h[2:]}.kvb", dir_fd=sub)
+                finally:
+                    os.close(sub)
+
+    def _scan(self) -> None:
+        """Count this model's files already in the directory against the capacity."""
+        found: list[tuple[int, str]] = []
+        for sub in sorted(os.listdir(self._root)):
+            if len(sub) != 2 or not set(sub) <= _HEX:
+                continue
+            try:
+                fd = self._subdir(sub)
+            except OSError:
+                continue
+            try:
+                names = os.listdir(fd)
+                for name in names:
+                    h = sub + name[:-4]
+                    if len(h) != 64 or not name.endswith(".kvb") or not set(h) <= _HEX:
+                        continue
+                    with contextlib.suppress(OSError):
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        head = self._read(h, _HEADER.size) if stat.S_ISREG(st.st_mode) else b""
+                        if len(head) == _HEADER.size and head[:8] == _MAGIC and \
+                                head[_IDS] == self.model_id + bytes.fromhex(h):
+                            found.append((st.st_mtime_ns, h))
+            finally:
+                os.close(fd)
+        found.sort()
+        keep = len(found) - min(len(found), self.capacity)
+        for _, h in found[:keep]:  # beyond capacity (a smaller budget than last time): the oldest go
+            self._unlink_if_ours(h)
+        for _, h in found[keep:]:
+            self._unclaimed[h] = self._free.pop()
+        if found:
+            logger.info("offload: %d blocks of this model in %s (%d kept)", len(found), self.dir, len(found) - keep)
+
+    # --- the tier -------------------------------------------------------------------------------
+    def __contains__(self, key: Key) -> bool:
+        """Stored here, or a file of that name in the directory (verified when read)."""
+        if key in self.index:
+            return True
+        if key in self._bad or key in self.reserved:
+            return False
+        h = self._digest(key).hex()
+        try:
+            sub = self._subdir(h)
+            try:
+                return stat.S_ISREG(os.stat(f"{h[2:]}.kvb", dir_fd=sub, follow_symlinks=False).st_mode)
+            finally:
+                os.close(sub)
+        except OSError:
+            return False
+
+    def _take_slot(self, key: Key) -> int | None:
+        if not self._free and self._unclaimed:  # an earlier run's unclaimed files go first
+            h, slot = self._unclaimed.popitem(last=False)
+            self._unlink_if_ours(h)
+            self._free.append(slot)
+            self.evictions += 1
+        return super()._take_slot(key)
+
+    def _drop(self, key: Key, slot: int) -> None:
+        self._unlink_if_ours(self._digest(key).hex())
 
     def reserve(self, key: Key, nbytes: int) -> torch.Tensor | None:
         if self._busy(key) or self._take_slot(key) is None:
@@ -182,58 +327,76 @@ class DiskTier(OffloadTier):
 
     def commit(self, key: Key) -> bool:
         super().commit(key)
-        slot = self.index[key]
         payload = self._staging.pop(key).numpy().tobytes()
         digest = self._digest(key)
-        path = self._path(slot)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        h = digest.hex()
+        name, tmp = f"{h[2:]}.kvb", f".{h[2:]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        sub = -1
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NO_FOLLOW, 0o600)
+            sub = self._subdir(h, create=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600, dir_fd=sub)
             with os.fdopen(fd, "wb") as f:
-                f.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(digest)), digest))
+                crc = zlib.crc32(payload, zlib.crc32(self.model_id + digest))
+                f.write(_HEADER.pack(_MAGIC, len(payload), crc, self.model_id, digest))
                 f.write(payload)
-            os.replace(tmp, path)  # replaces a link planted at ``path``, never its target
+            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)  # replaces a link at ``name``, not its target
         except OSError as e:  # a full or unwritable disk is a miss later, never a wrong answer
             self.failures += 1
-            logger.warning("offload: cannot write %s (%s); the block will be recomputed", path, e)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            self._forget(key)
+            logger.warning("offload: cannot write %s (%s); the block will be recomputed", self._path(key), e)
+            if sub >= 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=sub)
+            self._free.append(self.index.pop(key))  # an older copy of the file, if any, stays
             return False
+        finally:
+            if sub >= 0:
+                os.close(sub)
+        self._bad.discard(key)
+        if h in self._unclaimed:  # rewrote an earlier run's file: it is indexed now
+            self._free.append(self._unclaimed.pop(h))
         return True
 
     def get(self, key: Key) -> torch.Tensor | None:
-        slot = self.index.get(key)
-        if slot is None:
-            return None
-        path = self._path(slot)
-        foreign = False
+        digest = self._digest(key)
+        h = digest.hex()
+        indexed = key in self.index
         try:
-            fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
-            with os.fdopen(fd, "rb") as f:
-                raw = f.read()
-            magic, length, crc, digest = _HEADER.unpack_from(raw)
-            payload = raw[_HEADER.size:]
-            if magic != _MAGIC or length != len(payload):
-                raise ValueError("bad header")
-            if digest != self._digest(key):
-                foreign = True
-                raise ValueError("it holds another block (another engine's, or moved)")
-            if zlib.crc32(payload, zlib.crc32(digest)) != crc:
-                raise ValueError("bad checksum")
-        except (OSError, ValueError, struct.error) as e:
-            self.failures += 1
-            logger.warning("offload: %s is missing or corrupt (%s); recomputing instead", path, e)
-            if foreign:  # the file is not ours to delete: only the slot goes back
-                self._free.append(self.index.pop(key))
-            else:
-                self._forget(key)
+            payload = self._check(self._read(h, _HEADER.size + self.blob_bytes + 1), digest)
+        except FileNotFoundError as e:
+            if indexed:  # removed under us (another engine evicted it, or a user)
+                self._fail(key, e, delete=False)
             return None
-        self.index.move_to_end(key)
+        except _NotOurs as e:
+            self._fail(key, e, delete=False)
+            self._bad.add(key)
+            return None
+        except (OSError, ValueError, struct.error) as e:  # ours, but corrupt (or unreadable)
+            self._fail(key, e, delete=not isinstance(e, OSError))
+            if isinstance(e, OSError):
+                self._bad.add(key)
+            return None
+        if indexed:
+            self.index.move_to_end(key)
+        else:
+            self._adopt(key, h)
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
-    def _drop(self, key: Key, slot: int) -> None:
-        try:
-            self._path(slot).unlink(missing_ok=True)
-        except OSError:
-            pass
+    def _fail(self, key: Key, error: Exception, delete: bool) -> None:
+        self.failures += 1
+        logger.warning("offload: %s is missing or corrupt (%s); recomputing instead", self._path(key), error)
+        if delete and key in self.index:
+            self._forget(key)
+        elif delete:
+            self._unlink_if_ours(self._digest(key).hex())
+        elif key in self.index:  # the file is not ours to delete: only the slot goes back
+            self._free.append(self.index.pop(key))
+
+    def _adopt(self, key: Key, h: str) -> None:
+        """Index a verified file found in the directory (it counts against capacity from now)."""
+        slot = self._unclaimed.pop(h, None)
+        if slot is None:
+            if self._take_slot(key) is None:
+                return  # every slot is held by a load: served, not kept
+            slot = self.reserved.pop(key)
+        self.index[key] = slot
+        self.adopted += 1
