@@ -66,13 +66,13 @@ class StructuredOutputsParams:
                     raise ValueError(f"structured_outputs.json is longer than {MAX_GRAMMAR_CHARS} characters")
                 try:
                     schema = _json.loads(self.json)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:  # nesting deeper than the parser's stack
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             else:
                 schema = self.json
                 try:
                     size = len(self.schema_text())
-                except (TypeError, ValueError) as e:
+                except (TypeError, ValueError, RecursionError) as e:
                     raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
                 if size > MAX_GRAMMAR_CHARS:
                     raise ValueError(f"structured_outputs.json is longer than {MAX_GRAMMAR_CHARS} characters")
