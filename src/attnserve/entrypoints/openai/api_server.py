@@ -109,8 +109,8 @@ async def _json_body(request: Request, limits: ServerLimits) -> dict[str, Any]:
     raw = await _read_body(request, limits.max_request_body_bytes)
     try:  # a large body parses off the event loop
         body = json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
-    except ValueError as e:  # JSONDecodeError, bad UTF-8
-        raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, nesting too deep
+        raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
     return body
