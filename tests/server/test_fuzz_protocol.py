@@ -34,6 +34,7 @@ from tests.server.inprocess import InProcessServer
 FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 VOCAB = 2048
+MSG = [{"role": "user", "content": "hi"}]
 REFERENCE = {"model": MODEL_NAME, "prompt": [17, 400, 93, 1200, 5], "max_tokens": 8, "temperature": 0}
 
 ints = st.one_of(st.integers(-3, 40), st.sampled_from([0, 1, -1, 2**31, 2**63 - 1, 2**63, 10**19, 10**30]))
@@ -157,6 +158,8 @@ def test_fuzzed_bodies_never_hurt_the_server(fuzz_server, path, model):
 
     @settings(FUZZ, max_examples=120)
     @given(bodies(model))
+    @example({"model": MODEL_NAME, "prompt": "a\ud800", "messages": [{"role": "user", "content": "\udfff"}]})
+    @example({"model": MODEL_NAME, "prompt": "hi", "messages": MSG, "bad_words": ["\ud800"], "max_tokens": 2})
     def post(body):
         _check_response(fuzz_server, fuzz_server.post(path, json.dumps(body)), body)
 

@@ -18,14 +18,15 @@ from hypothesis import strategies as st
 from attnserve.sampling_params import INT64_MAX, SamplingParams
 
 FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
-FUZZ = settings(max_examples=250, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 big_ints = st.one_of(st.integers(), st.integers(-2**70, 2**70), st.sampled_from(
     [0, 1, -1, 2, INT64_MAX, INT64_MAX + 1, -INT64_MAX - 2, 10**19, 10**30, 2**64]))
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
                    st.sampled_from([0.0, -0.0, 1.0, 0.5, 1e-300, 1e300, math.nan, math.inf, -math.inf]))
-scalars = st.one_of(st.none(), st.booleans(), big_ints, floats, st.text(max_size=8),
+odd_text = st.one_of(st.text(max_size=8), st.sampled_from(["", " ", "\x00", "\ud800", "a\udfff", "\U0010ffff"]))
+scalars = st.one_of(st.none(), st.booleans(), big_ints, floats, odd_text,
                     st.binary(max_size=4))
 huge_lists = st.builds(lambda n, v: [v] * n, st.integers(0, 200_000), st.one_of(big_ints, st.text(max_size=3)))
 anything = st.recursive(scalars, lambda inner: st.one_of(
@@ -48,7 +49,7 @@ token_ids = st.lists(st.one_of(st.integers(0, 300), big_ints), max_size=6)
 TYPED = {  # plausible values of each field's own type, so that valid draws happen too
     "n": st.integers(-2, 5), "temperature": floats, "top_p": floats, "top_k": big_ints, "min_p": floats,
     "presence_penalty": floats, "frequency_penalty": floats, "repetition_penalty": floats,
-    "seed": st.one_of(st.none(), big_ints), "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4))),
+    "seed": st.one_of(st.none(), big_ints), "stop": st.one_of(odd_text, st.lists(odd_text)),
     "stop_token_ids": st.one_of(big_ints, token_ids), "include_stop_str_in_output": st.booleans(),
     "ignore_eos": st.booleans(), "max_tokens": st.one_of(st.none(), st.integers(-2, 40), big_ints),
     "min_tokens": st.integers(-2, 40), "logprobs": st.one_of(st.none(), st.integers(-1, 30)),
@@ -56,7 +57,7 @@ TYPED = {  # plausible values of each field's own type, so that valid draws happ
     "detokenize": st.booleans(),
     "logit_bias": st.dictionaries(st.one_of(st.integers(-5, 10**20), st.text(max_size=6)),
                                   st.one_of(floats, big_ints), max_size=3),
-    "allowed_token_ids": token_ids, "bad_words": st.lists(st.text(max_size=6), max_size=4),
+    "allowed_token_ids": token_ids, "bad_words": st.lists(odd_text, max_size=4),
     "truncate_prompt_tokens": st.one_of(st.none(), st.integers(-3, 10), big_ints),
     "structured_outputs": st.one_of(
         st.fixed_dictionaries({}, optional={"json": st.one_of(st.text(max_size=10), deep_json, st.builds(_nested, st.integers(1, 5000)), st.dictionaries(

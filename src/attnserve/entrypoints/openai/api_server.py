@@ -113,6 +113,12 @@ async def _json_body(request: Request, limits: ServerLimits) -> dict[str, Any]:
         raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
+    if b"\\ud" in raw.lower():  # an escaped surrogate: Python's parser lets a lone one through
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            raise OpenAIError(f"The JSON body of your request holds a lone surrogate "
+                              f"({e.object[e.start:e.end]!a}): strings must be valid Unicode.") from None
     return body
 
 
