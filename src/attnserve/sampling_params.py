@@ -27,6 +27,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -66,13 +74,13 @@ class StructuredOutputsParams:
                     raise ValueError(f"structured_outputs.json is longer than {MAX_GRAMMAR_CHARS} characters")
                 try:
                     schema = _json.loads(self.json)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:  # nesting deeper than the parser's stack
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             else:
                 schema = self.json
                 try:
                     size = len(self.schema_text())
-                except (TypeError, ValueError) as e:
+                except (TypeError, ValueError, RecursionError) as e:
                     raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
                 if size > MAX_GRAMMAR_CHARS:
                     raise ValueError(f"structured_outputs.json is longer than {MAX_GRAMMAR_CHARS} characters")
@@ -253,8 +261,9 @@ class SamplingParams:
         if self.bad_words is not None:
             if len(self.bad_words) > MAX_BAD_WORDS:
                 bad(f"bad_words has {len(self.bad_words)} words, more than {MAX_BAD_WORDS}")
-            if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
-                bad(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters")
+            if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS or not _is_unicode(w)
+                   for w in self.bad_words):  # they are tokenised: no lone surrogate
+                bad(f"bad_words must be non-blank strings of valid Unicode of at most {MAX_BAD_WORD_CHARS} characters")
         t = self.truncate_prompt_tokens
         if t is not None and (not _is_int(t) or not (t == -1 or 1 <= t <= INT64_MAX)):
             bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {t!r}")

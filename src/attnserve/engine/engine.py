@@ -160,6 +160,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise PromptError("this model has no tokenizer: pass prompt_token_ids")
+            try:
+                prompt.encode()
+            except UnicodeEncodeError as e:  # a lone surrogate, which the tokenizer cannot take
+                raise PromptError(f"the prompt is not valid Unicode: {e.reason} at character {e.start}") from None
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise PromptError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "

@@ -109,10 +109,16 @@ async def _json_body(request: Request, limits: ServerLimits) -> dict[str, Any]:
     raw = await _read_body(request, limits.max_request_body_bytes)
     try:  # a large body parses off the event loop
         body = json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
-    except ValueError as e:  # JSONDecodeError, bad UTF-8
-        raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, nesting too deep
+        raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
+    if b"\\ud" in raw.lower():  # an escaped surrogate: Python's parser lets a lone one through
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            raise OpenAIError(f"The JSON body of your request holds a lone surrogate "
+                              f"({e.object[e.start:e.end]!a}): strings must be valid Unicode.") from None
     return body
 
 
