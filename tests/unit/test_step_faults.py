@@ -14,6 +14,8 @@ of several requests (a fault no request caused). Then:
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from attnserve import LLM, SamplingParams
@@ -222,4 +224,44 @@ def test_an_output_processing_fault_fails_its_request_alone(model_dir, async_sch
     assert [summary(finals[rids[i]]) for i in (0, 3)] == [ref[0], ref[3]]
     assert_idle(llm)
     assert [summary(o) for o in llm.generate(prompts, GREEDY)] == ref
+    assert_idle(llm)
+
+
+def test_a_suspect_short_of_blocks_preempts_the_others_not_itself(model_dir):
+    # Many running requests, a step budget that leaves some of them out of a step, and a pool
+    # too small for all: after a poisoned request fails a step of several, each suspect reruns
+    # alone and needs blocks the waiting-out running requests hold. It used to preempt itself
+    # (the last admitted) every step, recomputing from scratch for ever (found by the
+    # fault-injected load test, tests/server/test_load_faults.py).
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(20, VOCAB) for _ in range(rng.choice([8, 16, 24]))] for _ in range(4)]
+    prompts = []
+    for i in range(24):
+        p = rng.choice(prefixes) + [rng.randrange(20, VOCAB) for _ in range(rng.randint(1, 10))]
+        prompts.append([13, *p[:5]] if i % 7 == 3 else p)
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 6)) for _ in prompts]
+    good = [i for i, p in enumerate(prompts) if p[0] != 13]
+    kw = dict(dtype="float32", max_model_len=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=32,
+              num_gpu_blocks_override=24)
+    expected = {i: o.outputs[0].token_ids for i, o in zip(good, LLM(str(model_dir), **kw).generate(
+        [{"prompt_token_ids": prompts[i]} for i in good], [params[i] for i in good], use_tqdm=False))}
+    llm = LLM(str(model_dir), **kw)
+    engine = llm.llm_engine
+    calls = inject(llm, "execute", lambda ids: any(engine.scheduler.requests[i].prompt_token_ids[0] == 13
+                                                   for i in ids if i in engine.scheduler.requests))
+    rids = [engine.add_request(None, {"prompt_token_ids": p}, sp) for p, sp in zip(prompts, params)]
+    finals = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step(final_only=True):
+            finals[out.request_id] = out
+    else:
+        raise AssertionError(f"the engine did not finish: suspects {[r.request_id for r in engine.scheduler.suspects]}")
+    assert calls["raised"] >= 2  # a step of several, then the poisoned request alone
+    for i, rid in enumerate(rids):
+        if i in expected:
+            assert finals[rid].outputs[0].token_ids == expected[i], i
+        else:
+            assert finals[rid].outputs[0].finish_reason == "error"
     assert_idle(llm)

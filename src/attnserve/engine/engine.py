@@ -372,6 +372,10 @@ class LLMEngine:
         if self.async_scheduling:
             self.async_scheduling = False
             logger.warning("async scheduling is off after a failed step")
+        offload = self.scheduler.offload
+        for out in steps:  # tier loads the failed step never issued hold their blobs: release them
+            if offload is not None and out.offload is not None:
+                offload.cancel_loads(out.offload[1])
         requests = list({id(s.request): s.request for out in steps for s in out.scheduled}.values())
         live = [r for r in requests if not r.is_finished]
         if len(live) == 1 and len(requests) == 1 and exc is not None:

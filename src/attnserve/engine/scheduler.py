@@ -93,10 +93,11 @@ class Scheduler:
             if len(self.running) == 1 or focus is not None:  # alone: a smaller chunk may fit
                 num_new = self._fit(req, num_new)
             if not num_new or not self.kv.allocate_slots(req, num_new):
-                victim = self._preempt_for(req)
+                victim = self._preempt_for(req, spare=focus)
                 preempted.extend(victim)
                 if req.request_id in victim:
                     break
+                i = self.running.index(req)  # the victim may have stood before it
                 continue  # retry the same request with the freed blocks
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
@@ -221,13 +222,20 @@ class Scheduler:
         hit = self.offload.lookup(req.block_hashes, start, (req.num_tokens - 1) // bs - start)
         return hit if hit.num_blocks else None
 
-    def _preempt_for(self, req: Request) -> list[str]:
-        """Preempt the lowest-priority running request (the last admitted) to free blocks."""
-        return [self._preempt_last(queue_at=0)]
+    def _preempt_for(self, req: Request, spare: Request | None = None) -> list[str]:
+        """Preempt the lowest-priority running request (the last admitted) to free blocks. A
+        suspect running alone (``spare``) gives way last: the others wait this step anyway, and
+        a suspect that preempted itself would recompute from scratch every step, for ever, while
+        they kept their blocks (a livelock the fault-injected load test found)."""
+        index = len(self.running) - 1
+        if spare is not None and index > 0 and self.running[index] is spare:
+            index -= 1
+        return [self._preempt_last(queue_at=0, index=index)]
 
-    def _preempt_last(self, queue_at: int) -> str:
-        """Preempt the last admitted running request by recompute, queued at ``queue_at``."""
-        victim = self.running.pop()
+    def _preempt_last(self, queue_at: int, index: int = -1) -> str:
+        """Preempt the running request at ``index`` (the last admitted) by recompute, queued at
+        ``queue_at``."""
+        victim = self.running.pop(index)
         self.kv.free(victim)
         if self.offload is not None:
             self.offload.forget(victim.request_id)

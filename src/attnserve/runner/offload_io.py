@@ -175,6 +175,8 @@ class OffloadIO:
         for layout, items in into.items():
             self._load(layout, items)
         t.loads = list(loads)
+        for job in loads:
+            job.issued = True
         if t.events:
             t.events[2].record()
         else:

@@ -63,6 +63,7 @@ class LoadJob:
     blocks: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (group, block id, bytes)
     states: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (state slot, bytes)
     keys: list[tuple] = field(default_factory=list)  # held in the tier until the copy is done
+    issued: bool = False  # its copies were issued (the runner then completes it, whatever follows)
 
 
 @dataclass(slots=True)
@@ -196,6 +197,14 @@ class OffloadManager:
         """Where the runner copies a prepared store's bytes (None: skip it, the tier is busy or
         has it already); the blob is readable only after ``complete_store``."""
         return self.tier.reserve(key, nbytes)
+
+    def cancel_loads(self, loads: list[LoadJob]) -> None:
+        """A step failed before its copies were issued: release what its loads held in the tier
+        (its requests recompute; issued ones complete as usual)."""
+        for job in loads:
+            if not job.issued:
+                self.tier.release(job.keys)
+                self.stats.failed_loads += 1
 
     def complete_store(self, key: tuple, nbytes: int) -> None:
         if self.tier.commit(key):
