@@ -91,10 +91,14 @@ def workload(n: int = 256, lo: int = 100, hi: int = 1024, vocab: int = 151936, s
             for _ in range(n)]
 
 
-def throughput_attnserve(reqs, async_scheduling: bool | None = None) -> dict:
+def throughput_attnserve(reqs, async_scheduling: bool | None = None, max_num_seqs: int | None = None,
+                         max_num_batched_tokens: int | None = None) -> dict:
+    """The workload through ``LLM.generate``; the batch limits are the engine's defaults unless
+    given (the figure a user gets with no flags)."""
     d = model_dir("Qwen/Qwen3-0.6B")
-    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=16384, gpu_memory_utilization=0.85, async_scheduling=async_scheduling)
+    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling)
+    sched = llm.llm_engine.config.scheduler
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     # token ids out, as nano-vllm's benchmark counts them: with dummy weights and the byte
     # tokenizer nearly every id is U+FFFD, which incremental detokenisation re-decodes per step
@@ -115,7 +119,41 @@ def throughput_attnserve(reqs, async_scheduling: bool | None = None) -> dict:
     torch.cuda.empty_cache()
     return {"elapsed_s": elapsed, "output_tokens": out_tokens, "tok_s": out_tokens / elapsed,
             "steps": stats.steps - steps0, "preemptions": stats.num_preemptions - preempt0,
-            "async_scheduling": llm_async, "triton_compiles_in_run": compiled}
+            "async_scheduling": llm_async, "triton_compiles_in_run": compiled,
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens}
+
+
+def throughput_hf_continuous(reqs, budget_s: float = 300.0) -> dict:
+    """transformers' continuous batching (``ContinuousBatchingManager``, what ``generate_batch``
+    runs) on the same workload, each request with its own ``max_new_tokens``, EOS disabled, SDPA
+    attention. Stopped after ``budget_s``: the rate then counts finished requests only."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(str(Path(model_dir("Qwen/Qwen3-0.6B"))))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    gen = GenerationConfig(max_new_tokens=max(o for _, o in reqs), do_sample=False, eos_token_id=-1,
+                           pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    useful, done = 0, 0
+    try:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for p, o in reqs:
+            manager.add_request(p, max_new_tokens=o)
+        while done < len(reqs) and time.perf_counter() - t < budget_s:
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                useful += len(r.generated_tokens)
+                done += 1
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+    finally:
+        manager.stop(block=True, timeout=30)
+    del model
+    return {"elapsed_s": elapsed, "useful_output_tokens": useful, "tok_s": useful / elapsed,
+            "finished": done, "complete": done == len(reqs),
+            "note": None if done == len(reqs) else f"stopped after {budget_s:.0f} s ({done} finished)"}
 
 
 def throughput_hf(reqs, batch: int = 256, budget_s: float = 150.0) -> dict:
@@ -174,15 +212,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--skip-sync", action="store_true", help="no sync-scheduling rows")
+    ap.add_argument("--hf", choices=("generate", "continuous", "both"), default="both",
+                    help="transformers peer: padded generate, continuous batching (generate_batch), or both")
+    ap.add_argument("--limits", nargs="+", default=[], metavar="SEQSxTOKENS",
+                    help="extra nano-vllm runs with these max_num_seqs x max_num_batched_tokens (e.g. 256x16384)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name()}
     reqs = workload()
-    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs)),
-             ("nano_vllm_attnserve_sync", lambda: throughput_attnserve(reqs, async_scheduling=False))]
+    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs))]
+    if not args.skip_sync:
+        steps.append(("nano_vllm_attnserve_sync", lambda: throughput_attnserve(reqs, async_scheduling=False)))
+    for lim in args.limits:
+        seqs, tokens = (int(x) for x in lim.split("x"))
+        steps.append((f"nano_vllm_attnserve_{lim}",
+                      lambda s=seqs, t=tokens: throughput_attnserve(reqs, max_num_seqs=s, max_num_batched_tokens=t)))
     if not args.skip_latency:
         steps[:0] = [("latency_8b", latency_8b), ("latency_8b_sync", lambda: latency_8b(async_scheduling=False))]
-    if not args.skip_hf:
+    if not args.skip_hf and args.hf in ("continuous", "both"):
+        steps.append(("nano_vllm_transformers_cb", lambda: throughput_hf_continuous(reqs)))
+    if not args.skip_hf and args.hf in ("generate", "both"):
         steps.append(("nano_vllm_transformers", lambda: throughput_hf(reqs)))
     for name, fn in steps:
         t = time.perf_counter()
@@ -206,15 +256,16 @@ def main() -> None:
             r = result[key]
             print(f"| Llama-3.1-8B shape, batch 1 decode ({label}) | {r['decode_tok_s']:.1f} tok/s; floor "
                   f"{r['floor_tok_s']:.0f} tok/s ({r['fraction_of_floor']:.0%} of it) |")
-    h = result.get("nano_vllm_transformers")
-    for key, label in (("nano_vllm_attnserve", "async"), ("nano_vllm_attnserve_sync", "sync")):
-        r = result.get(key)
-        if r is None:
-            continue
-        line = f"| nano-vllm workload ({label}) | attnserve {r['tok_s']:.0f} tok/s ({r['elapsed_s']:.1f} s, {r['steps']} steps)"
-        if h is not None:
-            line += f"; transformers {h['tok_s']:.0f} tok/s{' (' + h['note'] + ')' if h['note'] else ''}; " \
-                    f"ratio {r['tok_s'] / h['tok_s']:.1f}x"
+    peers = [(k, result[k]) for k in ("nano_vllm_transformers_cb", "nano_vllm_transformers") if k in result]
+    for key in [k for k in result if k.startswith("nano_vllm_attnserve")]:
+        r = result[key]
+        label = key.removeprefix("nano_vllm_attnserve").lstrip("_") or "async, defaults"
+        line = (f"| nano-vllm workload ({label}; seqs {r['max_num_seqs']}, tokens {r['max_num_batched_tokens']}) | "
+                f"attnserve {r['tok_s']:.0f} tok/s ({r['elapsed_s']:.1f} s, {r['steps']} steps, "
+                f"{r['preemptions']} preemptions)")
+        for name, h in peers:
+            line += f"; {name.removeprefix('nano_vllm_')} {h['tok_s']:.0f} tok/s" \
+                    f"{' (' + h['note'] + ')' if h['note'] else ''}: {r['tok_s'] / h['tok_s']:.1f}x"
         print(line + " |")
 
 

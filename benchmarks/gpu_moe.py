@@ -54,19 +54,22 @@ PREFILL_TOKENS = [2048, 8192, 16384]
 SMOKE_PREFILL = ({"toy": (3, 64, 64, 1)}, [800])  # 267 pairs per expert: the 128-row tiles
 # MoEConfig(block_m, block_n_up, block_n_down, block_k, num_warps, num_stages, group_m)
 SWEEP = [
-    MoEConfig(32, 64, 64, 64),  # the m <= 64 decode tier (Qwen3-Next at 2K tokens selects it)
+    MoEConfig(32, 64, 64, 64),  # the m <= 32 decode tier (before 2026-12-02: m <= 64)
     MoEConfig(64, 64, 64, 64),  # the old m > 64 tier (before prefill had its own)
-    MoEConfig(64, 64, 128, 64, 4, 4, 8),  # the m <= 256 tier
-    MoEConfig(64, 64, 128, 64, 8, 3, 8),
+    MoEConfig(64, 64, 128, 64, 4, 4, 8),  # the m <= 256 tier before 2026-12-02
+    MoEConfig(64, 64, 128, 64, 8, 3, 8),  # the m <= 256 tier
     MoEConfig(64, 128, 128, 64, 4, 3, 8),
-    MoEConfig(128, 64, 128, 64, 8, 3, 8),  # the m > 256 tier
+    MoEConfig(128, 64, 128, 64, 8, 3, 8),  # the m > 256 tier before 2026-12-02
     MoEConfig(128, 64, 128, 64, 8, 4, 8),
     MoEConfig(128, 64, 128, 64, 8, 3, 0),  # launch order: tiles first
     MoEConfig(128, 64, 128, 64, 8, 3, 32),
-    MoEConfig(128, 128, 128, 64, 8, 3, 8),
+    MoEConfig(128, 128, 128, 64, 8, 3, 8),  # the m > 256 tier
     MoEConfig(128, 64, 256, 64, 8, 3, 8),
     MoEConfig(128, 64, 128, 32, 8, 4, 8),
     MoEConfig(128, 64, 64, 64, 4, 3, 8),
+    MoEConfig(128, 128, 256, 64, 8, 3, 8),  # wider tiles for Mixtral's 2K-4K pairs per expert
+    MoEConfig(128, 128, 128, 64, 8, 4, 8),
+    MoEConfig(128, 128, 128, 32, 8, 4, 8),
 ]
 
 

@@ -117,8 +117,8 @@ def test_tile_config_grows_with_the_pairs_per_expert():
     """Decode batches keep the 16- and 32-row tiles; prefill-sized batches get 64 and 128 rows
     in grouped launch order; float32 (outside the interpreter) stays at most 64 x 32 x 32."""
     assert moe_config(torch.float16, 1.0) == MoEConfig(16, 64, 64, 64)  # decode: one short tile
-    assert moe_config(torch.float16, 64.0) == MoEConfig(32, 64, 64, 64)
-    assert moe_config(torch.float16, 100.0).block_m == 64
+    assert moe_config(torch.float16, 32.0) == MoEConfig(32, 64, 64, 64)
+    assert moe_config(torch.float16, 33.0).block_m == 64 and moe_config(torch.float16, 256.0).block_m == 64
     big = moe_config(torch.float16, 16384 * 8 / 128)  # Qwen3-30B-A3B, a 16K-token chunk
     assert big.block_m == 128 and big.block_n_down == 128 and big.group_m > 0
     sizes = [moe_config(torch.float16, m) for m in (1, 16, 17, 64, 65, 256, 257, 1e6)]
@@ -135,7 +135,7 @@ def test_prefill_tiles_match_the_torch_path(dtype):
     more tiles than one launch group (8) and a short last group, two N blocks of gate/up, partial
     last K steps, an expert without pairs; the config is the one the batch selects."""
     g = torch.Generator().manual_seed(11)
-    e, hidden, inter, tokens = 3, 96, 96, 800
+    e, hidden, inter, tokens = 3, 96, 160, 800
     ex = FusedExperts(e, hidden, inter)
     _randomise(ex, 12, std=0.2)
     ex = ex.to(dtype)

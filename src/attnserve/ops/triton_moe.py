@@ -23,13 +23,13 @@ slot, token and pair offsets are int64; an expert's weights must stay under 2^31
 
 Tile configs (``MoEConfig``, chosen by ``moe_config`` from the mean pairs per expert m = P / E,
 E over all tensor-parallel ranks: a host number from shapes only, so decode stays graphable).
-Decode batches keep the short tiles they had (m <= 16: 16 rows, m <= 64: 32 rows; N and K blocks
-of 64, 4 warps, 3 stages, tiles first in launch order). Prefill-sized runs take 64-row (m <= 256)
-or 128-row tiles, N blocks of 128 in the down kernel (64 in gate/up, whose two accumulators make
-it 128 wide), 4 or 8 warps and a grouped launch order: ``group_m`` tiles' N blocks run together,
-so a group's token rows and its experts' weight blocks are reused from L2. Tall tiles use the
-tensor cores better but pad each expert's run by about ``block_m / 2`` rows. The thresholds and
-tiles are first guesses for Hopper, to be swept on the H200 (``benchmarks/gpu_moe.py --sweep``).
+Decode batches keep short tiles (m <= 16: 16 rows, m <= 32: 32 rows; N and K blocks of 64, 4
+warps, 3 stages, tiles first in launch order). Larger runs take 64-row (m <= 256) or 128-row
+tiles, 8 warps and a grouped launch order: ``group_m`` tiles' N blocks run together, so a group's
+token rows and its experts' weight blocks are reused from L2. Tall tiles use the tensor cores
+better but pad each expert's run by about ``block_m / 2`` rows. The tiers were swept on the H200
+(``benchmarks/gpu_moe.py --sweep``: Qwen3-30B-A3B, Mixtral and Qwen3-Next shapes at 2K-16K
+tokens).
 float32 keeps tiles of at most 64 x 32 x 32 (IEEE dot products); the interpreter runs the 16-bit
 table for every dtype (it ignores warps and stages).
 
@@ -101,9 +101,13 @@ class MoEConfig:
 # the 16-bit table: (largest mean pairs per expert, config), first match
 CONFIGS = (
     (16.0, MoEConfig(16, 64, 64, 64)),  # decode (as before prefill got its own tiles)
-    (64.0, MoEConfig(32, 64, 64, 64)),
-    (256.0, MoEConfig(64, 64, 128, 64, num_warps=4, num_stages=4, group_m=8)),
-    (float("inf"), MoEConfig(128, 64, 128, 64, num_warps=8, num_stages=3, group_m=8)),
+    (32.0, MoEConfig(32, 64, 64, 64)),
+    # H200 sweep (benchmarks/gpu_moe.py --sweep, 2026-12-02): Qwen3-Next at 40 and 160 pairs
+    # per expert, Qwen3-30B-A3B at 128 (0.77 ms against 0.92 for the 4-warp tiles)
+    (256.0, MoEConfig(64, 64, 128, 64, num_warps=8, num_stages=3, group_m=8)),
+    # the same sweep: best or within 8% of it from 320 to 4,096 pairs per expert (Mixtral,
+    # Qwen3-30B-A3B, Qwen3-Next)
+    (float("inf"), MoEConfig(128, 128, 128, 64, num_warps=8, num_stages=3, group_m=8)),
 )
 
 
