@@ -63,11 +63,11 @@ SWEEP = [
     MoEConfig(128, 64, 128, 64, 8, 4, 8),
     MoEConfig(128, 64, 128, 64, 8, 3, 0),  # launch order: tiles first
     MoEConfig(128, 64, 128, 64, 8, 3, 32),
-    MoEConfig(128, 128, 128, 64, 8, 3, 8),  # the m > 256 tier
+    MoEConfig(128, 128, 128, 64, 8, 3, 8),
     MoEConfig(128, 64, 256, 64, 8, 3, 8),
     MoEConfig(128, 64, 128, 32, 8, 4, 8),
     MoEConfig(128, 64, 64, 64, 4, 3, 8),
-    MoEConfig(128, 128, 256, 64, 8, 3, 8),  # wider tiles for Mixtral's 2K-4K pairs per expert
+    MoEConfig(128, 128, 256, 64, 8, 3, 8),  # the m > 256 tier
     MoEConfig(128, 128, 128, 64, 8, 4, 8),
     MoEConfig(128, 128, 128, 32, 8, 4, 8),
 ]

@@ -112,6 +112,32 @@ def test_greedy_is_argmax_and_skips_sort_and_draws(monkeypatch):
     assert out.sampled_token_ids[3].item() == 7
 
 
+def test_plain_greedy_takes_the_argmax_of_bf16_logits_without_a_float32_copy(monkeypatch):
+    """No edits to the logits: the argmax runs on the head's dtype (the same token as in float32,
+    ties included); with an edit (a bias) the float32 path runs and still agrees."""
+    torch.manual_seed(1)
+    logits = torch.randn(8, 300).to(torch.bfloat16)
+    logits[2, [5, 250]] = 7.0  # a tie in bf16
+    want = logits.float().argmax(dim=-1)
+    batch = make_batch([SamplingParams(temperature=0.0)] * 8)
+    assert not batch.edits_logits
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("plain greedy must not build float32 logits")
+
+    monkeypatch.setattr("attnserve.layers.sampler.apply_penalties", no_copy)
+    out = Sampler()(logits, batch)
+    monkeypatch.undo()
+    assert torch.equal(out.sampled_token_ids, want) and out.sampled_token_ids[2].item() == 5
+    biased = make_batch([SamplingParams(temperature=0.0, logit_bias={250: 1.0})] * 8)
+    assert biased.edits_logits
+    assert Sampler()(logits, biased).sampled_token_ids[2].item() == 250
+    lp = make_batch([SamplingParams(temperature=0.0, logprobs=2)] * 8)
+    out = Sampler()(logits, lp)
+    assert out.logprobs.logprobs.dtype == torch.float32
+    torch.testing.assert_close(out.logprobs.logprobs[:, 0], logits.float().log_softmax(-1).gather(1, want[:, None])[:, 0])
+
+
 def test_filters_match_bruteforce_reference():
     gen = torch.Generator().manual_seed(1)
     vocab, checked, skipped, changed = 12, 0, 0, 0

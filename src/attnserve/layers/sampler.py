@@ -97,6 +97,12 @@ class SamplingBatch:
         return self.temperature.shape[0]
 
     @property
+    def edits_logits(self) -> bool:
+        """Whether ``apply_penalties`` changes any logit (allowed/banned ids, bias, penalties)."""
+        return (self.allowed_token_ids is not None or self.banned_token_ids is not None
+                or self.logit_bias is not None or self.has_penalties)
+
+    @property
     def has_penalties(self) -> bool:
         return any(
             t is not None
@@ -422,7 +428,12 @@ class Sampler(nn.Module):
         if logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, batch {batch.num_rows}")
         logits = apply_token_bitmask(logits, batch)
-        processed = apply_penalties(logits, batch)
+        if batch.all_greedy and not batch.edits_logits:
+            # the argmax of the logits as they came (bf16 -> float32 is exact, so the same token,
+            # ties included), without apply_penalties' float32 copy of the whole [N, V]
+            processed = logits
+        else:
+            processed = apply_penalties(logits, batch)
         if batch.all_greedy:
             sampled = processed.argmax(dim=-1)
         else:

@@ -90,11 +90,16 @@ class CausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, V] in float32 (scaled, then soft-capped, where the family does)."""
-        logits = self.lm_head(hidden).float()
-        if self.arch.logit_scale is not None:
-            logits = logits * self.arch.logit_scale
-        cap = self.arch.final_softcap
+        """hidden [N, D] -> logits [N, V]: float32 where the family scales or soft-caps them, else
+        in the head's dtype (the sampler's greedy path takes the argmax there, exact, without a
+        float32 copy of the whole [N, V]; everything else converts)."""
+        logits = self.lm_head(hidden)
+        scale, cap = self.arch.logit_scale, self.arch.final_softcap
+        if scale is None and cap is None:
+            return logits
+        logits = logits.float()
+        if scale is not None:
+            logits = logits * scale
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits

@@ -285,7 +285,7 @@ class ModelRunner:
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, s: ScheduledRequest, first: int, last: int):
         req = s.request
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = to_device(torch.tensor(req.prompt_token_ids[first + 1: last + 1]), logprobs.device)
         return gather_logprobs(logprobs, targets, req.sampling_params.prompt_logprobs)
 
