@@ -12,6 +12,7 @@ runner's buffers can be captured in a CUDA graph (the contract's default hooks).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -49,6 +50,9 @@ class TritonAttentionBackend(AttentionBackend):
     # the host bounds (batch, KV heads, max_seq_len), fixed at capture: the default graph hooks
     cuda_graph_safe = True
     fuses_rope = True  # rotation and cache write in one kernel (ops/triton_kv_write.py)
+    # how split-KV decode merges: in the attention launch, or "kernel" (a second launch; the
+    # older form, which benchmarks/gpu_profile.py --old-small-kernels selects for timing)
+    split_merge: ClassVar[str] = "last_split"
 
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TritonAttentionMetadata:
         bt = common.block_tables[group_id]
@@ -80,8 +84,7 @@ class TritonAttentionBackend(AttentionBackend):
                                 rope.positions, rope.rotary_dim, rope.interleaved, layer.k_scale, layer.v_scale)
         return self._attend(layer, q, key_cache, value_cache, metadata)
 
-    @staticmethod
-    def _attend(layer, q, key_cache, value_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
+    def _attend(self, layer, q, key_cache, value_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=q.dtype, device=q.device)
         for part in metadata.parts:
             s, e = part.token_start, part.token_end
@@ -89,5 +92,6 @@ class TritonAttentionBackend(AttentionBackend):
                               part.seq_lens, scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes,
                               sinks=layer.sinks, softcap=layer.softcap, k_scale=layer.k_scale,
                               v_scale=layer.v_scale, max_query_len=part.max_query_len,
-                              max_seq_len=part.max_seq_len, num_splits=part.num_splits)
+                              max_seq_len=part.max_seq_len, num_splits=part.num_splits,
+                              merge=self.split_merge)
         return out
