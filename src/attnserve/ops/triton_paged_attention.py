@@ -548,7 +548,8 @@ def unified_attention(
     else:  # enough for every request's blocks; spare programs return at once
         num_q_blocks = num_tokens // cfg.block_q + num_seqs if cfg.block_q > 1 else num_tokens
     merge_last = split and merge == "last_split"
-    counters = _counters_for(q.device, num_q_blocks * num_kv_heads) if merge_last else seq_lens
+    # unused without merge_last: out, not a metadata slice whose alignment varies (a recompile)
+    counters = _counters_for(q.device, num_q_blocks * num_kv_heads) if merge_last else out
     dt = _compute_dtype(q.dtype, interpret)
     alibi_arg, sinks_arg = (x if x is not None else q for x in (alibi, sinks))  # q: unused
     # fmt: off
