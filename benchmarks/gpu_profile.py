@@ -3,7 +3,10 @@ processing, per step; the kernels of one eager decode step (count and top self t
 with ``--parts nano``, the nano-vllm workload step by step (each phase synchronised, so the
 sum is a little above the unprofiled run), split into decode-only and mixed steps.
 
-    python benchmarks/gpu_profile.py [--parts 8b small nano]
+    python benchmarks/gpu_profile.py [--parts 8b small nano] [--old-small-kernels]
+
+``--old-small-kernels``: TRITON_ATTN as before issue #21's fusions (RoPE, then the KV write;
+split-KV decode merged by a second kernel), to time the engine both ways on one branch.
 """
 
 from __future__ import annotations
@@ -203,7 +206,16 @@ def graph_kernels(llm: LLM, batch: int, prompt_len: int, steps: int = 3) -> None
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["8b", "small"], choices=["8b", "small", "nano"])
+    ap.add_argument("--old-small-kernels", action="store_true",
+                    help="TRITON_ATTN without the fused RoPE write and the in-kernel split merge")
     args = ap.parse_args()
+    if args.old_small_kernels:  # a benchmark's switch: class attributes the backend reads
+        from attnserve.attention.backends.triton_attn import TritonAttentionBackend
+
+        TritonAttentionBackend.fuses_rope = False
+        TritonAttentionBackend.split_merge = "kernel"
+    print("TRITON_ATTN small kernels:", "old (RoPE + write, merge kernel)" if args.old_small_kernels
+          else "fused (RoPE in the write, merge in the attention launch)", flush=True)
     if "nano" in args.parts:
         import gpu_engine
 

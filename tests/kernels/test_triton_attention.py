@@ -91,7 +91,7 @@ def make_batch(
     )
 
 
-def run_both(batch, num_splits=None, **features):
+def run_both(batch, num_splits=None, merge="last_split", **features):
     """(kernel output, reference output) for one batch; features go to both."""
     q = batch["q"]
     scale = q.shape[-1] ** -0.5
@@ -107,6 +107,7 @@ def run_both(batch, num_splits=None, **features):
         *meta,
         scale=scale,
         num_splits=num_splits,
+        merge=merge,
         max_query_len=int((qsl[1:] - qsl[:-1]).max()),
         max_seq_len=int(seq_lens.max()),
         **features,
@@ -219,23 +220,49 @@ def test_bf16_inputs_upcast_under_interpreter():
     assert_close(*run_both(batch), torch.bfloat16)
 
 
+@pytest.mark.parametrize("merge", ["last_split", "kernel"])
 @pytest.mark.parametrize(
     "num_splits,feature",
     [(3, "none"), (8, "none"), (2, "sinks"), (2, "window"), (3, "all"), (8, "all")],
 )
-def test_split_kv_decode(num_splits, feature):
+def test_split_kv_decode(num_splits, feature, merge):
     """Split-KV equals the reference and the one-program path; 8 splits leave some empty."""
     batch = make_batch([1, 1, 1], [300, 7, 129], num_heads=8, seed=8)
     features = {} if feature == "none" else _features(feature, 8)
-    split, ref = run_both(batch, num_splits=num_splits, **features)
+    split, ref = run_both(batch, num_splits=num_splits, merge=merge, **features)
     whole, _ = run_both(batch, num_splits=1, **features)
     assert_close(split, ref, torch.float32)
     assert (split - whole).abs().max().item() <= 2e-6
 
 
-def test_split_kv_mixed_batch_fp16():
+@pytest.mark.parametrize("merge", ["last_split", "kernel"])
+def test_split_kv_mixed_batch_fp16(merge):
     batch = make_batch(*BATCH_SPECS["chunked_prefix"], dtype=torch.float16, seed=9)
-    assert_close(*run_both(batch, num_splits=2), torch.float16)
+    assert_close(*run_both(batch, num_splits=2, merge=merge), torch.float16)
+
+
+def test_merge_in_kernel_leaves_counters_clean():
+    """The last split resets its counter: two launches in a row (as two graph replays) over
+    different batches both merge right, and every counter is back at 0 after each."""
+    from attnserve.ops.triton_paged_attention import _counters_for
+
+    counters = _counters_for(torch.device("cpu"), 1)
+    for seed, seq_lens in ((13, [300, 7, 129]), (14, [64, 200, 1])):
+        batch = make_batch([1, 1, 1], seq_lens, num_heads=8, seed=seed)
+        for _ in range(2):
+            assert_close(*run_both(batch, num_splits=4, sinks=torch.ones(8)), torch.float32)
+            assert counters.abs().sum().item() == 0
+    counters[:6] = 1  # a stale count: the merge must then land on the wrong split (test guard)
+    batch = make_batch([1, 1, 1], [300, 7, 129], num_heads=8, seed=13)
+    out, ref = run_both(batch, num_splits=4)
+    assert out.isnan().any() or (out - ref).abs().max().item() > 1e-3
+    counters.zero_()
+
+
+def test_merge_rejects_unknown_mode():
+    batch = make_batch([1], [20])
+    with pytest.raises(ValueError, match="merge must be one of"):
+        run_both(batch, num_splits=2, merge="atomic")
 
 
 def test_padding_rows_untouched():
@@ -344,6 +371,7 @@ def attention(dtype, cache_dtype, head, num_tokens, max_query_len, num_splits, *
 head_features = dict(window=128, alibi=torch.ones(32), sinks=torch.ones(32), softcap=30.0)
 attention(torch.bfloat16, torch.bfloat16, 128, 64, 64, 1, **head_features)
 attention(torch.float16, torch.float8_e4m3fn, 80, 1, 1, 4, sinks=torch.ones(32))
+attention(torch.bfloat16, torch.bfloat16, 128, 1, 1, 8, merge="kernel")
 attention(torch.bfloat16, torch.bfloat16, 256, 64, 64, 1)
 k = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
 W.write_kv_cache(k, k, torch.zeros(9, 16, 8, 128, dtype=torch.float8_e4m3fn),
@@ -353,4 +381,5 @@ W.write_kv_cache(k, k, torch.zeros(9, 16, 8, 128, dtype=torch.float8_e4m3fn),
 
 
 def test_kernels_compile_for_sm90():
-    assert len(compile_for_sm90(_LAUNCHES)) == 5  # 3 attention launches, 1 merge, 1 KV write
+    # 4 attention launches (one of them merging its splits in the kernel), 1 merge, 1 KV write
+    assert len(compile_for_sm90(_LAUNCHES)) == 6

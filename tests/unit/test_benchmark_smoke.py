@@ -20,6 +20,7 @@ SCRIPTS = {
     "gpu_mla": ["--smoke"],
     "gpu_moe": ["--smoke"],
     "gpu_offload": ["--smoke"],
+    "gpu_small_kernels": ["--smoke"],
     "gpu_sparse_offload": ["--smoke"],
     "gpu_state_decode": ["--smoke"],
     "gpu_check": ["--device", "cpu", "--only", "llama3_gqa", "--dtypes", "float32"],

@@ -17,6 +17,11 @@ Before every replay it copies the step into its buffers, then lets each backend 
 persistent buffers it owns (``refresh_graph_metadata``). A backend takes part only when
 ``cuda_graph_safe`` says its decode forward launches the same work for any values in those
 tensors: no host synchronisation, no host branching on device data.
+
+RoPE: the model's layer normally rotates q and k before ``forward``. A backend with
+``fuses_rope`` also takes ``forward_rope``: q and k arrive unrotated with a ``RopeTable``, and
+the backend rotates them on the way (TRITON_ATTN: in the kernel that writes the cache). The
+layer uses it only for a RoPE whose rotation depends on the position alone (``RopeTable``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
 
     from attnserve.attention.metadata import CommonAttentionMetadata
 
-__all__ = ["AttentionBackend", "Backend", "BackendRequest", "Capabilities", "FEATURES"]
+__all__ = ["AttentionBackend", "Backend", "BackendRequest", "Capabilities", "FEATURES", "RopeTable"]
 
 FEATURES = ("sliding_window", "alibi", "sinks", "softcap", "streaming")
 
@@ -62,6 +67,16 @@ class BackendRequest:
     kv_cache_dtype: str  # the resolved storage dtype (fp8 or a float dtype)
     block_size: int
     features: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class RopeTable:
+    """A RoPE that one table row per position describes: what ``forward_rope`` applies."""
+
+    cos_sin_table: torch.Tensor  # [max_pos, rotary_dim] float32: cos | sin halves of each row
+    positions: torch.Tensor  # [num_tokens] int32/int64, each below max_pos
+    rotary_dim: int  # the leading dims of each q/k head that rotate
+    interleaved: bool  # GPT-J adjacent pairs if True, else NeoX halves
 
 
 class Backend(ABC):
@@ -107,6 +122,15 @@ class Backend(ABC):
 
 class AttentionBackend(Backend):
     """One implementation of attention over a paged cache (standard, MLA, sparse MLA, NSA)."""
+
+    # forward_rope is implemented: RoPE can be left to the backend (see the module docstring)
+    fuses_rope: ClassVar[bool] = False
+
+    def forward_rope(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_cache: Any, metadata: Any, rope: RopeTable) -> torch.Tensor:
+        """``forward`` with q and k not yet rotated: the same result as rotating them by
+        ``rope`` first (``layers.fused.rotary``), then ``forward``. Only where ``fuses_rope``."""
+        raise NotImplementedError(f"{self.name} does not fuse RoPE (fuses_rope is False)")
 
     @abstractmethod
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

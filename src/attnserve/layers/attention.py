@@ -1,19 +1,25 @@
 """The attention layer of standard models: holds its spec, and delegates to its backend.
 
-The model computes q, k, v (projections and RoPE); this layer hands them to the backend chosen
-for its KV cache group, with the layer's cache and the step's metadata. ALiBi slopes, learned
-sinks and soft-capping are layer properties the backend reads.
+The model computes q, k, v (projections, q/k norms) and hands them over with its RoPE; this layer
+rotates q and k (``RotaryEmbedding``) and hands them to the backend chosen for its KV cache group,
+with the layer's cache and the step's metadata, or, where the backend fuses RoPE into its cache
+write (``AttentionBackend.fuses_rope``) and the rotation depends on the position alone, leaves
+the rotation to the backend (``forward_rope``). ALiBi slopes, learned sinks and soft-capping are
+layer properties the backend reads.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from attnserve.arch import LayerSpec
 from attnserve.core.forward_context import get_forward_context
+
+if TYPE_CHECKING:
+    from attnserve.layers.rotary import RotaryEmbedding
 
 __all__ = ["Attention"]
 
@@ -41,12 +47,25 @@ class Attention(nn.Module):
         self.group_id: int = -1
         self.kv_cache: Any = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H*D], k [T, Hkv*D], v [T, Hkv*Dv] -> [T, H*Dv]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None, rope: RotaryEmbedding | None = None) -> torch.Tensor:
+        """q [T, H*D] or [T, H, D], k [T, Hkv*D] or [T, Hkv, D], v [T, Hkv*Dv] -> [T, H*Dv].
+
+        With ``rope`` (and the tokens' ``positions``), q and k are rotated here or in the backend.
+        """
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size_v)
-        meta = get_forward_context().attn_metadata[self.group_id]
+        ctx = get_forward_context()
+        meta = ctx.attn_metadata[self.group_id]
+        if rope is not None:
+            if positions is None:
+                raise ValueError("rope needs the tokens' positions")
+            table = rope.position_table(positions) if self.backend.fuses_rope else None
+            if table is not None:
+                out = self.backend.forward_rope(self, q, k, v, self.kv_cache, meta, table)
+                return out.reshape(t, self.num_heads * self.head_size_v)
+            q, k = rope(positions, q, k, ctx.token_seq_lens)
         out = self.backend.forward(self, q, k, v, self.kv_cache, meta)
         return out.reshape(t, self.num_heads * self.head_size_v)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from attnserve.arch import RopeConfig
+from attnserve.attention.backend import RopeTable
 from attnserve.layers.fused import rotary, rotate_ref
 
 __all__ = ["RotaryEmbedding", "get_rope"]
@@ -166,6 +167,15 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base[:, None] ** exponents[None, :])  # [T, rotary_dim // 2]
         angles = positions.float()[:, None] * inv_freq
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+
+    def position_table(self, positions: torch.Tensor) -> RopeTable | None:
+        """The rotation as one table row per position, for a backend that fuses RoPE into its
+        cache write; None for the length-dependent types (their cos/sin depend on more than the
+        position: ``forward`` rotates those)."""
+        if self.cfg.rope_type not in _STATIC_TYPES:
+            return None
+        table = self._table("short", self._need(positions), positions.device)
+        return RopeTable(table, positions, self.rotary_dim, self.cfg.interleaved)
 
     # --- rotation -------------------------------------------------------------------------
     def forward(

@@ -22,7 +22,6 @@ from torch import nn
 
 from attnserve.arch import FalconOptions, LayerSpec, ModelArch
 from attnserve.attention.reference import alibi_slopes
-from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.attention import Attention
 from attnserve.layers.linear import QKVLinear
 from attnserve.layers.norm import LayerNorm
@@ -52,14 +51,8 @@ class FalconAttention(nn.Module):
         self.attn = Attention(spec, alibi_slopes=falcon_alibi_slopes(spec) if spec.alibi else None)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
         q, k, v = self.query_key_value.split(self.query_key_value(hidden))
-        if self.rotary_emb is not None:
-            q = q.reshape(t, self.num_heads, self.head_size)  # [T, H, D]
-            k = k.reshape(t, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
-            q, k = self.rotary_emb(positions, q, k, get_forward_context().token_seq_lens)
-            q, k = q.reshape(t, -1), k.reshape(t, -1)  # [T, H*D], [T, Hkv*D]
-        return self.dense(self.attn(q, k, v))
+        return self.dense(self.attn(q, k, v, positions, self.rotary_emb))  # RoPE (if any) in attn
 
 
 class FalconDecoderLayer(nn.Module):

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from attnserve.arch import GemmaOptions, LayerSpec, ModelArch, RopeConfig
-from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.attention import Attention
 from attnserve.layers.linear import QKVLinear, qkv_rename
 from attnserve.layers.moe import GatedMLP
@@ -60,9 +59,7 @@ class GemmaAttention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
         if self.q_norm is not None:  # Gemma 3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary_emb is not None:
-            q, k = self.rotary_emb(positions, q, k, get_forward_context().token_seq_lens)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)  # [T, H*D]
+        out = self.attn(q, k, v, positions, self.rotary_emb)  # [T, H*D]; RoPE in attn
         return self.o_proj(out)
 
 

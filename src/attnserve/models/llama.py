@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from attnserve.arch import LayerSpec, LlamaOptions, ModelArch
-from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.attention import Attention
 from attnserve.layers.linear import QKVLinear, qkv_rename
 from attnserve.layers.moe import GatedMLP
@@ -51,9 +50,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary_emb is not None:
-            q, k = self.rotary_emb(positions, q, k, get_forward_context().token_seq_lens)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))  # RoPE in attn
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from attnserve.arch import LayerKind, LayerSpec, ModelArch, MoESpec
-from attnserve.core.forward_context import get_forward_context
 from attnserve.layers.attention import Attention
 from attnserve.layers.gdn import GatedDeltaNet
 from attnserve.layers.linear import QKVLinear, Target, prefixed, qkv_rename
@@ -69,9 +68,7 @@ class GatedAttention(nn.Module):
         q, gate = q_gate.chunk(2, dim=-1)  # [T, H, d] each
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_size))  # [T, Hkv, d]
-        if self.rotary_emb is not None:
-            q, k = self.rotary_emb(positions, q, k, get_forward_context().token_seq_lens)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)  # [T, H*d]
+        out = self.attn(q, k, v, positions, self.rotary_emb)  # [T, H*d]; RoPE in attn
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
 

@@ -89,41 +89,75 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, heads,
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, sx_t, sx_h, so_t, so_h, t, h0, num_heads, cos, sin,
-                  HEAD: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr):
-    """Rotate heads [h0, h0 + BLOCK_H) of token t; copy dims past ROT unchanged."""
-    h = h0 + tl.arange(0, BLOCK_H)
+def _rope_pairs(x_row, h_ok, cos, sin, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr):
+    """The rotated pairs (o1, o2) [BLOCK_H, HALF_PAD] of the heads at ``x_row`` [BLOCK_H, 1],
+    fp32 values rounded to x's dtype where the PyTorch path rounds them."""
     d = tl.arange(0, HALF_PAD)
-    h_ok = h < num_heads
-    mask = h_ok[:, None] & (d[None, :] < ROT // 2)
-    x_row = x_ptr + t.to(tl.int64) * sx_t + h[:, None].to(tl.int64) * sx_h  # [BLOCK_H, 1]
-    o_row = o_ptr + t.to(tl.int64) * so_t + h[:, None].to(tl.int64) * so_h
     if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: one contiguous load, split in registers
         e = tl.arange(0, 2 * HALF_PAD)
-        pair_mask = h_ok[:, None] & (e[None, :] < ROT)
-        x = tl.load(x_row + e[None, :], mask=pair_mask, other=0.0).to(tl.float32)
-        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, HALF_PAD, 2)))  # [BLOCK_H, HALF_PAD] each
+        x = tl.load(x_row + e[None, :], mask=h_ok[:, None] & (e[None, :] < ROT), other=0.0)
+        x1, x2 = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, HALF_PAD, 2)))
     else:  # NeoX: pairs (x_i, x_{i + ROT/2})
+        mask = h_ok[:, None] & (d[None, :] < ROT // 2)
         x1 = tl.load(x_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_row + ROT // 2 + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    ty = o_ptr.dtype.element_ty
+    ty = x_row.dtype.element_ty
     # the PyTorch path casts cos/sin to the dtype and rounds each product and each sum there
     c = cos.to(ty).to(tl.float32)[None, :]
     s = sin.to(ty).to(tl.float32)[None, :]
     o1 = ((x1 * c).to(ty).to(tl.float32) - (x2 * s).to(ty).to(tl.float32)).to(ty)
     o2 = ((x2 * c).to(ty).to(tl.float32) + (x1 * s).to(ty).to(tl.float32)).to(ty)
+    return o1, o2
+
+
+@triton.jit
+def _store_rope(x_row, o_row, h_ok, o1, o2, scale, HEAD: tl.constexpr, ROT: tl.constexpr,
+                INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr,
+                TAIL_PAD: tl.constexpr):
+    """Store the rotated pairs and the unrotated dims past ROT (read from ``x_row``) at
+    ``o_row`` [BLOCK_H, 1], divided by ``scale`` (an fp8 cache's; 1.0: unchanged) in o's dtype."""
+    ty = o_row.dtype.element_ty
+    d = tl.arange(0, HALF_PAD)
     if INTERLEAVED:
+        e = tl.arange(0, 2 * HALF_PAD)
         out = tl.reshape(tl.join(o1, o2), (BLOCK_H, 2 * HALF_PAD))  # pairs back in place
-        tl.store(o_row + e[None, :], out, mask=pair_mask)
+        out = (out.to(tl.float32) / scale).to(ty)
+        tl.store(o_row + e[None, :], out, mask=h_ok[:, None] & (e[None, :] < ROT))
     else:
-        tl.store(o_row + d[None, :], o1, mask=mask)
-        tl.store(o_row + ROT // 2 + d[None, :], o2, mask=mask)
+        mask = h_ok[:, None] & (d[None, :] < ROT // 2)
+        tl.store(o_row + d[None, :], (o1.to(tl.float32) / scale).to(ty), mask=mask)
+        tl.store(o_row + ROT // 2 + d[None, :], (o2.to(tl.float32) / scale).to(ty), mask=mask)
     if ROT < HEAD:  # partial rotary: the rest of the head passes through
         j = ROT + tl.arange(0, TAIL_PAD)
         tail_mask = h_ok[:, None] & (j[None, :] < HEAD)
         tail = tl.load(x_row + j[None, :], mask=tail_mask, other=0.0)
-        tl.store(o_row + j[None, :], tail, mask=tail_mask)
+        tl.store(o_row + j[None, :], (tail.to(tl.float32) / scale).to(ty), mask=tail_mask)
+
+
+@triton.jit
+def _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token t's cos and sin rows [HALF_PAD], fp32, from the [max_pos, ROT] table."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < ROT // 2
+    cos = tl.load(table_ptr + pos * s_table + d, mask=d_ok, other=0.0)
+    sin = tl.load(table_ptr + pos * s_table + ROT // 2 + d, mask=d_ok, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, sx_t, sx_h, so_t, so_h, t, h0, num_heads, cos, sin,
+                  HEAD: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """Rotate heads [h0, h0 + BLOCK_H) of token t; copy dims past ROT unchanged."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
+    x_row = x_ptr + t.to(tl.int64) * sx_t + h[:, None].to(tl.int64) * sx_h  # [BLOCK_H, 1]
+    o_row = o_ptr + t.to(tl.int64) * so_t + h[:, None].to(tl.int64) * so_h
+    o1, o2 = _rope_pairs(x_row, h_ok, cos, sin, ROT, INTERLEAVED, BLOCK_H, HALF_PAD)
+    _store_rope(x_row, o_row, h_ok, o1, o2, 1.0, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD,
+                TAIL_PAD)
 
 
 @triton.jit
@@ -134,11 +168,7 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, table_ptr, pos_ptr, sq_t, sq_h,
                    NUM_Q_BLOCKS: tl.constexpr):
     t = tl.program_id(0)
     blk = tl.program_id(1)  # head blocks of q first, then of k
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, HALF_PAD)
-    d_ok = d < ROT // 2
-    cos = tl.load(table_ptr + pos * s_table + d, mask=d_ok, other=0.0)  # [HALF_PAD] fp32
-    sin = tl.load(table_ptr + pos * s_table + ROT // 2 + d, mask=d_ok, other=0.0)
+    cos, sin = _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT, HALF_PAD)
     if blk < NUM_Q_BLOCKS:
         _rotate_heads(q_ptr, qo_ptr, sq_t, sq_h, sqo_t, sqo_h, t, blk * BLOCK_H, num_q_heads,
                       cos, sin, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD, TAIL_PAD)

@@ -1,11 +1,15 @@
-"""Triton kernel that stores new K/V rows into the paged cache at their slots.
+"""Triton kernels that store new K/V rows into the paged cache at their slots.
 
-One program per (token, group of KV heads): read the token's K and V, divide by the cache
-scales (fp8 caches), convert to the cache dtype and write them at
+``write_kv_cache``: one program per (token, group of KV heads): read the token's K and V,
+divide by the cache scales (fp8 caches), convert to the cache dtype and write them at
 ``slot = block * block_size + offset``. Slot ``-1`` (padding, or a token whose layer keeps no
-cache entry) is skipped. Not here: choosing slots (the block manager and the model runner do
-that) and reading the cache (``ops/triton_paged_attention.py``). The PyTorch twin is
-``attention.reference.write_kv``.
+cache entry) is skipped. ``rope_write_kv_cache`` does the same with RoPE fused in, one launch
+instead of two: programs for q's heads write rotated q to a new tensor, programs for the KV
+heads rotate k on the way into the cache (rounded as the unfused rotation then write round
+it, so the cache holds the same bits). Not here: choosing slots (the block manager and the
+model runner do that) and reading the cache (``ops/triton_paged_attention.py``). The PyTorch
+twins are ``attention.reference.write_kv`` and, with RoPE, ``layers.fused.rotary_ref`` then
+``write_kv``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["write_kv_cache"]
+from attnserve.ops.triton_fused import (
+    _block_elems,
+    _rope_cos_sin,
+    _rope_pairs,
+    _rotate_heads,
+    _store_rope,
+    _warps,
+)
+
+__all__ = ["rope_write_kv_cache", "write_kv_cache"]
 
 
 @triton.jit
@@ -65,6 +78,60 @@ def _write_kv_kernel(
     tl.store(v_dst + dv[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
+# fmt: off
+@triton.jit(do_not_specialize=("num_slots",))
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, key_cache_ptr, value_cache_ptr, table_ptr,
+                          pos_ptr, slot_ptr, k_scale, v_scale, num_slots, num_q_heads,
+                          num_kv_heads, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, s_table,
+                          stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                          PAGE: tl.constexpr, HEAD: tl.constexpr, HEAD_V: tl.constexpr,
+                          HEAD_V_PAD: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF_PAD: tl.constexpr,
+                          TAIL_PAD: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr):
+    """Programs (t, b): b < NUM_Q_BLOCKS rotates a block of q's heads into qo; the others
+    rotate a block of k's heads into the cache and store the same heads of v there."""
+    t = tl.program_id(0)
+    blk = tl.program_id(1)
+    cos, sin = _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT, HALF_PAD)
+    if blk < NUM_Q_BLOCKS:
+        _rotate_heads(q_ptr, qo_ptr, sq_t, sq_h, sqo_t, sqo_h, t, blk * BLOCK_HQ, num_q_heads,
+                      cos, sin, HEAD, ROT, INTERLEAVED, BLOCK_HQ, HALF_PAD, TAIL_PAD)
+    else:
+        slot = tl.load(slot_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
+        if slot >= 0:
+            block = slot // PAGE
+            offset = slot % PAGE
+            h = (blk - NUM_Q_BLOCKS) * BLOCK_HK + tl.arange(0, BLOCK_HK)
+            h_ok = h < num_kv_heads
+            t64 = t.to(tl.int64)
+            k_row = k_ptr + t64 * sk_t + h[:, None] * sk_h  # [BLOCK_HK, 1]
+            kc_row = key_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch
+            o1, o2 = _rope_pairs(k_row, h_ok, cos, sin, ROT, INTERLEAVED, BLOCK_HK, HALF_PAD)
+            _store_rope(k_row, kc_row, h_ok, o1, o2, k_scale, HEAD, ROT, INTERLEAVED, BLOCK_HK,
+                        HALF_PAD, TAIL_PAD)
+            dv = tl.arange(0, HEAD_V_PAD)
+            v_mask = h_ok[:, None] & (dv[None, :] < HEAD_V)
+            v = tl.load(v_ptr + t64 * sv_t + h[:, None] * sv_h + dv[None, :], mask=v_mask)
+            v = v.to(tl.float32) / v_scale
+            v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch
+            tl.store(v_dst + dv[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=v_mask)
+# fmt: on
+
+
+def _check_kv(k, v, key_cache, value_cache, num_tokens: int) -> None:
+    num_kv_heads, head, head_v = key_cache.shape[2], key_cache.shape[3], value_cache.shape[3]
+    if k.shape[1:] != (num_kv_heads, head) or v.shape[1:] != (num_kv_heads, head_v):
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the caches "
+            f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
+        )
+    if min(k.shape[0], v.shape[0]) < num_tokens:
+        raise ValueError(f"{num_tokens} slots but only {min(k.shape[0], v.shape[0])} K/V rows")
+    for name, t in (("k", k), ("v", v), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -86,19 +153,10 @@ def write_kv_cache(
         k_scale, v_scale: quantisation scales (1.0 for a cache in the model's dtype).
     """
     num_tokens = slot_mapping.shape[0]
-    num_kv_heads, head, head_v = key_cache.shape[2], key_cache.shape[3], value_cache.shape[3]
-    if k.shape[1:] != (num_kv_heads, head) or v.shape[1:] != (num_kv_heads, head_v):
-        raise ValueError(
-            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the caches "
-            f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
-        )
-    if min(k.shape[0], v.shape[0]) < num_tokens:
-        raise ValueError(f"{num_tokens} slots but only {min(k.shape[0], v.shape[0])} K/V rows")
-    for name, t in (("k", k), ("v", v), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
+    _check_kv(k, v, key_cache, value_cache, num_tokens)
     if num_tokens == 0:
         return
+    num_kv_heads, head, head_v = key_cache.shape[2], key_cache.shape[3], value_cache.shape[3]
     head_pad = max(16, triton.next_power_of_2(max(head, head_v)))
     heads = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads))
@@ -125,3 +183,70 @@ def write_kv_cache(
         HEAD_V_PAD=triton.next_power_of_2(head_v),
         num_warps=4,
     )
+
+
+def rope_write_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    rotary_dim: int,
+    interleaved: bool,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """RoPE on q and k, and rotated k with v stored at their cache slots, in one launch.
+
+    Equal to the unfused ``triton_fused.rotary`` then ``write_kv_cache`` (the same bits in the
+    cache and in q).
+
+    Args:
+        q: [T, num_heads, head_size]; k: [>= S, num_kv_heads, head_size]; v: [>= S,
+            num_kv_heads, head_size_v]; any strides with the last dim contiguous (views of a
+            fused QKV projection are fine). Not written.
+        key_cache, value_cache, slot_mapping [S], k_scale, v_scale: as ``write_kv_cache``.
+        cos_sin_table: [max_pos, rotary_dim] float32, cos | sin halves of each row
+            (``RotaryEmbedding``'s table); positions: [T] int32/int64, each below max_pos.
+        rotary_dim: even, at most head_size; the dims past it are not rotated.
+        interleaved: GPT-J adjacent pairs if True, else NeoX halves.
+    Returns:
+        The rotated q: a new contiguous [T, num_heads, head_size] tensor of q's dtype.
+    """
+    t, num_q_heads, head = q.shape
+    num_slots = slot_mapping.shape[0]
+    _check_kv(k, v, key_cache, value_cache, num_slots)
+    if positions.shape != (t,) or num_slots > t or head != key_cache.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, positions {tuple(positions.shape)}, {num_slots} slots "
+                         f"and key_cache {tuple(key_cache.shape)} do not fit together")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head or cos_sin_table.shape[-1] != rotary_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} vs head {head}, table {tuple(cos_sin_table.shape)}")
+    if q.stride(-1) != 1 or cos_sin_table.dtype != torch.float32:
+        raise ValueError("q must be contiguous in its last dimension and the table float32")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    table = cos_sin_table.contiguous()
+    num_kv_heads, head_v = key_cache.shape[2], value_cache.shape[3]
+    half_pad = triton.next_power_of_2(max(rotary_dim // 2, 1))
+    head_v_pad = triton.next_power_of_2(head_v)
+    block_hq = min(triton.next_power_of_2(num_q_heads), max(1, _block_elems() // half_pad))
+    block_hk = min(triton.next_power_of_2(num_kv_heads), max(1, _block_elems() // max(half_pad, head_v_pad)))
+    num_q_blocks = triton.cdiv(num_q_heads, block_hq)
+    grid = (t, num_q_blocks + triton.cdiv(num_kv_heads, block_hk))
+    # no FMA contraction: x1 * c - x2 * s must round like the two products of the torch path
+    _rope_write_kv_kernel[grid](
+        q, k, v, q_out, key_cache, value_cache, table, positions.contiguous(),
+        slot_mapping, float(k_scale), float(v_scale), num_slots, num_q_heads, num_kv_heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), table.stride(0), *key_cache.stride()[:3],
+        *value_cache.stride()[:3], PAGE=key_cache.shape[1], HEAD=head, HEAD_V=head_v,
+        HEAD_V_PAD=head_v_pad, ROT=rotary_dim, INTERLEAVED=bool(interleaved), BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk, HALF_PAD=half_pad,
+        TAIL_PAD=triton.next_power_of_2(max(head - rotary_dim, 1)), NUM_Q_BLOCKS=num_q_blocks,
+        num_warps=_warps(max(block_hq * half_pad, block_hk * head_v_pad), 4), enable_fp_fusion=False,
+    )  # fmt: skip
+    return q_out

@@ -4,7 +4,12 @@
 launch. A program owns a block of query tokens of one request and every query head of one KV
 head (GQA rows are stacked, so K/V are read once per group), walks the request's block table
 and keeps an online softmax in fp32. Long decodes split the context over several programs
-(split-KV); a second kernel merges their partial outputs by log-sum-exp.
+(split-KV) whose partial outputs are merged by log-sum-exp: by default inside the same launch,
+by the last split to finish for its (q block, KV head) (an int32 arrival counter per such row in
+a persistent per-device workspace: each split stores its partial rows, then counts itself in
+with an acq_rel atomic; the one that arrives last reads every split's rows, writes the output
+and sets the counter back to 0 for the next launch or graph replay); with ``merge="kernel"``
+by a second kernel, the older form kept for timing against it.
 
 It is not a backend: building metadata and choosing when to call it live in
 ``attention/backends``. Writing new K/V into the cache is ``ops/triton_kv_write.py``. The
@@ -267,18 +272,81 @@ def _key_tiles(q_pos_lo, q_pos_hi, window, split, num_splits, USE_WINDOW: tl.con
     return lo, full_lo, full_hi, hi
 
 
+@triton.jit
+def _merge_chunk(part_out_ptr, part_lse_ptr, first, s0, num_splits, m, denom, o,
+                 CHUNK: tl.constexpr, HEAD_V: tl.constexpr, HEAD_V_PAD: tl.constexpr):
+    """Fold splits [s0, s0 + CHUNK) of one (token, head) row into the running (m, denom, o)."""
+    s = s0 + tl.arange(0, CHUNK)
+    dv = tl.arange(0, HEAD_V_PAD)
+    # .cg: the other splits' rows were written by other SMs; read them from L2, not L1
+    lse = tl.load(part_lse_ptr + first + s, mask=s < num_splits, other=float("-inf"),
+                  cache_modifier=".cg")
+    m_new = tl.maximum(m, tl.max(lse, 0))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # every split empty so far
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)
+    part = tl.load(part_out_ptr + (first + s)[:, None] * HEAD_V + dv[None, :],
+                   mask=(w[:, None] > 0.0) & (dv[None, :] < HEAD_V), other=0.0,
+                   cache_modifier=".cg")
+    alpha = tl.exp2(m - m_safe)
+    return m_new, denom * alpha + tl.sum(w, 0), o * alpha + tl.sum(part * w[:, None], 0)
+
+
+@triton.jit
+def _merge_head(part_out_ptr, part_lse_ptr, out_row, first, sinks_ptr, head, v_scale,
+                num_splits, USE_SINKS: tl.constexpr, CHUNK: tl.constexpr, HEAD_V: tl.constexpr,
+                HEAD_V_PAD: tl.constexpr, INTERPRET: tl.constexpr):
+    """out = sum_s 2^(lse_s - M) o_s / (sum_s 2^(lse_s - M) + 2^(sink - M)) for one (token,
+    head): its splits' rows start at ``first``; CHUNK of them per step, online."""
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([], dtype=tl.float32)
+    if USE_SINKS:  # the sink starts the running max and adds 2^0 = 1, as in the kernel above
+        m = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        denom += 1.0
+    o = tl.zeros([HEAD_V_PAD], dtype=tl.float32)
+    if INTERPRET:  # range() cannot take a run-time bound there (see _attend_tiles)
+        s0 = 0
+        while s0 < num_splits:
+            m, denom, o = _merge_chunk(part_out_ptr, part_lse_ptr, first, s0, num_splits, m,
+                                       denom, o, CHUNK, HEAD_V, HEAD_V_PAD)
+            s0 += CHUNK
+    else:
+        for s0 in range(0, num_splits, CHUNK):
+            m, denom, o = _merge_chunk(part_out_ptr, part_lse_ptr, first, s0, num_splits, m,
+                                       denom, o, CHUNK, HEAD_V, HEAD_V_PAD)
+    dv = tl.arange(0, HEAD_V_PAD)
+    o = o / tl.where(denom > 0.0, denom, 1.0) * v_scale
+    tl.store(out_row + dv, o.to(out_row.dtype.element_ty), mask=dv < HEAD_V)
+
+
+@triton.jit
+def _merge_own_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, v_scale, num_splits,
+                    q_start, q_len, q_block, kv_head, num_heads, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, USE_SINKS: tl.constexpr,
+                    CHUNK: tl.constexpr, HEAD_V: tl.constexpr, HEAD_V_PAD: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """The last split's merge: every (token, head) row of this program, one at a time."""
+    for r in range(BLOCK_Q * GROUP):
+        tok = q_block * BLOCK_Q + r // GROUP
+        if tok < q_len:
+            token = (q_start + tok).to(tl.int64)
+            head = kv_head * GROUP + r % GROUP
+            _merge_head(part_out_ptr, part_lse_ptr, out_ptr + token * stride_ot + head * stride_oh,
+                        (token * num_heads + head) * num_splits, sinks_ptr, head, v_scale,
+                        num_splits, USE_SINKS, CHUNK, HEAD_V, HEAD_V_PAD, INTERPRET)
+
+
 @triton.jit(do_not_specialize=_PER_STEP, do_not_specialize_on_alignment=_SLICED)
 def _attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_ptr, qsl_ptr,
-    seq_lens_ptr, alibi_ptr, sinks_ptr, qk_scale, softcap, v_scale, window, num_seqs,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, bt_ptr,
+    qsl_ptr, seq_lens_ptr, alibi_ptr, sinks_ptr, qk_scale, softcap, v_scale, window, num_seqs,
     num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_V: tl.constexpr,
     HEAD_V_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-    DECODE_ONLY: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    MERGE_LAST: tl.constexpr, MERGE_CHUNK: tl.constexpr, DECODE_ONLY: tl.constexpr, DT: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -330,10 +398,20 @@ def _attention_kernel(
             HEAD_V_PAD, DT, PRECISION, INTERPRET)
 
     token = (q_start + tok).to(tl.int64)
-    if SPLIT:  # partial rows [token, head, split], merged by _merge_splits_kernel
-        row = (token * (GROUP * tl.num_programs(1)) + head) * num_splits + split
-        _store_rows(part_out_ptr + row * HEAD_V, part_lse_ptr + row, acc, m_i, l_i, row_ok,
-                    1.0, True, HEAD_V, HEAD_V_PAD)
+    if SPLIT:  # partial rows [token, head, split], merged below or by _merge_splits_kernel
+        first = (token * (GROUP * tl.num_programs(1)) + head) * num_splits
+        _store_rows(part_out_ptr + (first + split) * HEAD_V, part_lse_ptr + first + split, acc,
+                    m_i, l_i, row_ok, 1.0, True, HEAD_V, HEAD_V_PAD)
+        if MERGE_LAST:
+            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
+            tl.debug_barrier()  # every thread's partial rows are stored before the release
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last split of this (q block, KV head)
+                _merge_own_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, v_scale,
+                                num_splits, q_start, q_len, q_block, kv_head,
+                                GROUP * tl.num_programs(1), stride_ot, stride_oh, GROUP, BLOCK_Q,
+                                USE_SINKS, MERGE_CHUNK, HEAD_V, HEAD_V_PAD, INTERPRET)
+                tl.store(counter, 0)  # clean for the next launch (stream order)
     else:
         _store_rows(out_ptr + token * stride_ot + head * stride_oh, part_lse_ptr, acc, m_i, l_i,
                     row_ok, v_scale, False, HEAD_V, HEAD_V_PAD)
@@ -343,32 +421,43 @@ def _attention_kernel(
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, qsl_ptr, v_scale,
                          num_seqs, num_heads, num_splits, stride_ot, stride_oh,
                          SPLITS_PAD: tl.constexpr, HEAD_V: tl.constexpr,
-                         HEAD_V_PAD: tl.constexpr, USE_SINKS: tl.constexpr):
-    """out[t, h] = sum_s 2^(lse_s - M) o_s / (sum_s 2^(lse_s - M) + 2^(sink - M))."""
+                         HEAD_V_PAD: tl.constexpr, USE_SINKS: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """The separate merge (``merge="kernel"``): one program per (token, head)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(qsl_ptr + num_seqs):  # padding rows beyond the batch's tokens
         return
-    s = tl.arange(0, SPLITS_PAD)
-    dv = tl.arange(0, HEAD_V_PAD)
-    row = (token.to(tl.int64) * num_heads + head) * num_splits + s  # [SPLITS_PAD]
-    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    if USE_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
-        m = tl.maximum(m, sink)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
-    denom = tl.sum(w, 0)
-    if USE_SINKS:
-        denom += tl.exp2(sink - m)
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_V + dv[None, :],
-                   mask=(w[:, None] > 0.0) & (dv[None, :] < HEAD_V), other=0.0)
-    o = tl.sum(part * w[:, None], 0) / denom * v_scale
     o_off = token.to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(out_ptr + o_off + dv, o.to(out_ptr.dtype.element_ty), mask=dv < HEAD_V)
+    _merge_head(part_out_ptr, part_lse_ptr, out_ptr + o_off,
+                (token.to(tl.int64) * num_heads + head) * num_splits, sinks_ptr, head, v_scale,
+                num_splits, USE_SINKS, SPLITS_PAD, HEAD_V, HEAD_V_PAD, INTERPRET)
 
 
 # fmt: on
+
+
+_MERGES = ("last_split", "kernel")
+_MIN_COUNTERS = 4096
+_MERGE_CHUNK = 64  # splits the in-kernel merge reads per step: pick_num_splits' most, one variant
+
+
+@functools.cache
+def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
+    """[size] int32 zeros on ``device``, allocated once per (device, size) and kept for good.
+
+    The in-kernel merge's counters: each launch leaves them at 0. Sizes are powers of two, so
+    few are ever made; none is freed, since a captured CUDA graph keeps pointing at the one it
+    was captured with. Launches on two streams of one device at once would share counters: the
+    engine runs its forwards on one stream.
+    """
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def _counters_for(device: torch.device, rows: int) -> torch.Tensor:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _arrival_counters(device, max(_MIN_COUNTERS, triton.next_power_of_2(rows)))
 
 
 def _compute_dtype(dtype: torch.dtype, interpret: bool):
@@ -413,6 +502,7 @@ def unified_attention(
     max_query_len: int,
     max_seq_len: int,
     num_splits: int | None = None,
+    merge: str = "last_split",
 ) -> torch.Tensor:
     """Causal paged attention of a mixed batch (decodes, prefills, chunked prefills).
 
@@ -432,10 +522,14 @@ def unified_attention(
         max_query_len, max_seq_len: host-side upper bounds (no device sync is made);
             ``max_query_len == 1`` selects the decode path (one program per request).
         num_splits: KV splits per program; default ``pick_num_splits`` (decode only).
+        merge: how split partials are merged: "last_split" (in the same launch, by the split
+            that finishes last) or "kernel" (a second launch; the older form, for timing).
     Returns:
         ``out``.
     """
     _check_inputs(q, key_cache, value_cache, out, block_table)
+    if merge not in _MERGES:
+        raise ValueError(f"merge must be one of {_MERGES}, got {merge!r}")
     interpret = env.triton_interpret()
     num_tokens, num_heads, head = q.shape
     num_kv_heads, head_v = key_cache.shape[2], value_cache.shape[3]
@@ -453,27 +547,30 @@ def unified_attention(
         num_q_blocks = num_seqs
     else:  # enough for every request's blocks; spare programs return at once
         num_q_blocks = num_tokens // cfg.block_q + num_seqs if cfg.block_q > 1 else num_tokens
+    merge_last = split and merge == "last_split"
+    # unused without merge_last: out, not a metadata slice whose alignment varies (a recompile)
+    counters = _counters_for(q.device, num_q_blocks * num_kv_heads) if merge_last else out
     dt = _compute_dtype(q.dtype, interpret)
     alibi_arg, sinks_arg = (x if x is not None else q for x in (alibi, sinks))  # q: unused
     # fmt: off
     _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, out, part_out, part_lse, block_table, query_start_loc,
-        seq_lens, alibi_arg, sinks_arg, scale * k_scale, softcap or 1.0, v_scale, window or 0,
+        q, key_cache, value_cache, out, part_out, part_lse, counters, block_table,
+        query_start_loc, seq_lens, alibi_arg, sinks_arg, scale * k_scale, softcap or 1.0, v_scale, window or 0,
         num_seqs, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3], block_table.stride(0),
         GROUP=group, GROUP_PAD=cfg.group_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         PAGE=key_cache.shape[1], HEAD=head, HEAD_PAD=_pow2(head, 16), HEAD_V=head_v,
         HEAD_V_PAD=_pow2(head_v, 16), USE_WINDOW=window is not None, USE_ALIBI=alibi is not None,
         USE_SINKS=sinks is not None, USE_SOFTCAP=softcap is not None, SPLIT=split,
-        DECODE_ONLY=decode_only, DT=dt, PRECISION="ieee" if dt == tl.float32 else "tf32",
+        MERGE_LAST=merge_last, MERGE_CHUNK=_MERGE_CHUNK, DECODE_ONLY=decode_only, DT=dt, PRECISION="ieee" if dt == tl.float32 else "tf32",
         INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split:
+    if split and not merge_last:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, sinks_arg, query_start_loc, v_scale, num_seqs, num_heads,
             num_splits, out.stride(0), out.stride(1), SPLITS_PAD=_pow2(num_splits, 2),
             HEAD_V=head_v, HEAD_V_PAD=_pow2(head_v, 16), USE_SINKS=sinks is not None,
-            num_warps=4,
+            INTERPRET=interpret, num_warps=4,
         )
     # fmt: on
     return out

@@ -1,7 +1,9 @@
 """TRITON_ATTN: standard attention over the paged cache with the Triton kernels (CUDA, ROCm).
 
-New K/V go into the cache with one kernel; decodes and prefills then run as two launches of
-``unified_attention`` (decodes take the split-KV decode path, prefills the tiled one). Every
+New K/V go into the cache with one kernel (with RoPE fused in when the layer leaves it to the
+backend: ``forward_rope``); decodes and prefills then run as two launches of
+``unified_attention`` (decodes take the split-KV decode path, whose splits merge in the same
+launch; prefills the tiled one). Every
 feature of the layer (window, ALiBi, sinks, soft-cap, fp8 cache) is a kernel argument. The
 metadata holds device tensors and host-side bounds only, so a decode batch built over the graph
 runner's buffers can be captured in a CUDA graph (the contract's default hooks).
@@ -10,12 +12,13 @@ runner's buffers can be captured in a CUDA graph (the contract's default hooks).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backend import AttentionBackend, RopeTable
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.ops.triton_kv_write import write_kv_cache
+from attnserve.ops.triton_kv_write import rope_write_kv_cache, write_kv_cache
 from attnserve.ops.triton_paged_attention import unified_attention
 
 __all__ = ["TritonAttentionBackend", "TritonAttentionMetadata", "TritonBatchPart"]
@@ -46,6 +49,10 @@ class TritonAttentionBackend(AttentionBackend):
     # a decode batch's metadata only slices the common tensors; the split count follows from
     # the host bounds (batch, KV heads, max_seq_len), fixed at capture: the default graph hooks
     cuda_graph_safe = True
+    fuses_rope = True  # rotation and cache write in one kernel (ops/triton_kv_write.py)
+    # how split-KV decode merges: in the attention launch, or "kernel" (a second launch; the
+    # older form, which benchmarks/gpu_profile.py --old-small-kernels selects for timing)
+    split_merge: ClassVar[str] = "last_split"
 
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TritonAttentionMetadata:
         bt = common.block_tables[group_id]
@@ -68,6 +75,16 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens = metadata.slot_mapping.shape[0]
         write_kv_cache(k[:num_tokens], v[:num_tokens], key_cache, value_cache, metadata.slot_mapping,
                        layer.k_scale, layer.v_scale)
+        return self._attend(layer, q, key_cache, value_cache, metadata)
+
+    def forward_rope(self, layer, q, k, v, kv_cache, metadata: TritonAttentionMetadata,
+                     rope: RopeTable) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        q = rope_write_kv_cache(q, k, v, key_cache, value_cache, metadata.slot_mapping, rope.cos_sin_table,
+                                rope.positions, rope.rotary_dim, rope.interleaved, layer.k_scale, layer.v_scale)
+        return self._attend(layer, q, key_cache, value_cache, metadata)
+
+    def _attend(self, layer, q, key_cache, value_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=q.dtype, device=q.device)
         for part in metadata.parts:
             s, e = part.token_start, part.token_end
@@ -75,5 +92,6 @@ class TritonAttentionBackend(AttentionBackend):
                               part.seq_lens, scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes,
                               sinks=layer.sinks, softcap=layer.softcap, k_scale=layer.k_scale,
                               v_scale=layer.v_scale, max_query_len=part.max_query_len,
-                              max_seq_len=part.max_seq_len, num_splits=part.num_splits)
+                              max_seq_len=part.max_seq_len, num_splits=part.num_splits,
+                              merge=self.split_merge)
         return out
