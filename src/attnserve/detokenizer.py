@@ -10,6 +10,14 @@ offsets): the window starts at a token already emitted, so that decoders which t
 token specially (a leading "▁" dropped, skipped special tokens) see the same start in both
 decodes and their difference is the new text.
 
+Trailing U+FFFD is held back only while a later token can still change it. Where the tokenizer
+says which bytes its tokens add (``Tokenizer.token_bytes``: the byte tokenizer, whose ids past
+the bytes are each a lone U+FFFD), a cut between two tokens is final once the bytes before it
+end no unfinished UTF-8 sequence, or the token after it starts with no continuation byte: the
+text up to a final cut is released, U+FFFD included, and the window restarts there. So a stream
+of undecodable ids (random weights) costs a short window per step, not the whole output.
+Without byte knowledge the held tail waits for a character that decodes (always correct).
+
 Not here: stop strings and their truncation (the engine checks them on ``output_text``), and
 prompt text (the output text is defined without the prompt as context, so for SentencePiece-style
 tokenizers it does not start with the space that vLLM keeps).
@@ -17,6 +25,7 @@ tokenizers it does not start with the space that vLLM keeps).
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["IncrementalDetokenizer", "decode_token"]
 
 _REPLACEMENT = "\ufffd"
+_NEVER_IN_UTF8 = frozenset((0xC0, 0xC1, *range(0xF5, 0x100)))  # bytes that end any sequence
+_CUT_SEARCH = 8  # held tokens searched for a final cut per step (a cut is found as it arrives)
 
 
 def decode_token(tokenizer: Tokenizer, token_id: int) -> str:
@@ -64,13 +75,25 @@ class IncrementalDetokenizer:
         """
         self.output_ids.extend(new_ids)
         new_text = self._window_text()
+        delta = ""
+        if new_text.endswith(_REPLACEMENT) and (cut := self._final_cut()) is not None:
+            # Release the window's text up to the cut (final, U+FFFD included); go on from there.
+            text = new_text if cut == len(self.output_ids) else self._window_text(cut)
+            delta = text[self._num_held_emitted :]
+            held = max(self._num_held_emitted - len(text), 0)  # emitted chars past the cut
+            self._advance(text, cut)
+            self._num_held_emitted = held
+            if cut == len(self.output_ids):
+                self.output_text += delta
+                return delta
+            new_text = self._window_text()
         if new_text.endswith(_REPLACEMENT):
             # Emit what precedes the incomplete tail; keep the window until the tail resolves.
             stable = new_text.rstrip(_REPLACEMENT)
-            delta = stable[self._num_held_emitted :]
+            delta += stable[self._num_held_emitted :]
             self._num_held_emitted = max(self._num_held_emitted, len(stable))
         else:
-            delta = new_text[self._num_held_emitted :]
+            delta += new_text[self._num_held_emitted :]
             self._advance(new_text)
         self.output_text += delta
         return delta
@@ -83,20 +106,53 @@ class IncrementalDetokenizer:
         self.output_text += delta
         return delta
 
-    def _window_text(self) -> str:
+    def _window_text(self, end: int | None = None) -> str:
+        """The text of tokens ``[read_offset, end)`` (default: all), decoded in the window."""
         ids, start = self.output_ids, self._prefix_offset
         skip = self.skip_special_tokens
         prefix_text = self.tokenizer.decode(
             ids[start : self._read_offset], skip_special_tokens=skip
         )
-        full_text = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+        full_text = self.tokenizer.decode(ids[start:end], skip_special_tokens=skip)
         return full_text[len(prefix_text) :]
 
-    def _advance(self, new_text: str) -> None:
+    def _advance(self, new_text: str, end: int | None = None) -> None:
         # The next window starts at the tokens just emitted, unless they rendered nothing (skipped
         # special tokens, ids outside the vocabulary): a window must begin with a token that
         # decodes, or the decoder's first-token handling would fall on a new token instead.
         if new_text:
             self._prefix_offset = self._read_offset
-        self._read_offset = len(self.output_ids)
+        self._read_offset = len(self.output_ids) if end is None else end
         self._num_held_emitted = 0
+
+    def _final_cut(self) -> int | None:
+        """The last cut ``q`` among the held tokens (``read_offset < q <= len``) that no later
+        token can cross: the text of ``output_ids[:q]`` is final. None: none known."""
+        ids, bytes_of = self.output_ids, self.tokenizer.token_bytes
+        for q in range(len(ids), max(self._read_offset, len(ids) - _CUT_SEARCH), -1):
+            head = bytes_of(ids[q]) if q < len(ids) else None
+            if head and not 0x80 <= head[0] <= 0xBF:
+                return q  # a lead or ASCII byte continues nothing: what precedes is final
+            tail = self._bytes_before(q)
+            if tail is not None and (tail[-1] < 0x80 or tail[-1] in _NEVER_IN_UTF8 or not _unfinished(tail)):
+                return q  # the bytes before the cut end no unfinished character
+        return None
+
+    def _bytes_before(self, q: int) -> bytes | None:
+        """The last (up to) 3 bytes of ``output_ids[:q]``; None if a token's bytes are unknown."""
+        tail = b""
+        for token_id in reversed(self.output_ids[max(q - 3, 0) : q]):  # a token adds >= 1 byte
+            b = self.tokenizer.token_bytes(token_id)
+            if not b:
+                return None
+            tail = b + tail
+            if len(tail) >= 3:
+                break
+        return tail[-3:]
+
+
+def _unfinished(tail: bytes) -> bool:
+    """Whether ``tail`` ends in a UTF-8 sequence that more bytes could complete (at most 3)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(tail, final=False)
+    return bool(decoder.getstate()[0])

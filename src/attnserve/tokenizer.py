@@ -155,6 +155,13 @@ class Tokenizer(abc.ABC):
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings of ``ids`` ("" for an id outside the vocabulary)."""
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The UTF-8 bytes ``token_id`` adds to the byte stream that ``decode`` decodes (with
+        errors replaced), when this tokenizer decodes so and the token is not special; None:
+        unknown. The incremental detokenizer uses it to release text ending in U+FFFD that no
+        later token can change; None keeps such text held back (always correct)."""
+        return None
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
@@ -323,6 +330,13 @@ class ByteTokenizer(Tokenizer):
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self._token_str(i) for i in ids]
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        # an id >= 256 decodes as the byte 0xFF would (see decode); special tokens are None:
+        # skipped they do not cut a byte run, shown they do
+        if token_id in self._special_names or not 0 <= token_id < self.vocab_size:
+            return None
+        return bytes([token_id]) if token_id < 256 else b"\xff"
 
     def _token_str(self, token_id: int) -> str:
         if 0x21 <= token_id <= 0x7E:  # printable ASCII as itself, other bytes as <0xNN>

@@ -245,3 +245,23 @@ def test_bench_serve(server, tmp_path, capsys):
     assert result["mean_ttft_ms"] < result["mean_e2el_ms"]
     assert "Request throughput" in capsys.readouterr().out
     server.wait_idle()
+
+
+def test_bench_serve_requests_file_and_clients(server, tmp_path):
+    """``--requests-file`` sends exactly those requests; ``--num-clients`` splits them over processes;
+    ``--input-range``/``--output-range`` draw lengths uniform in the range."""
+    reqs = [[[random.Random(i).randrange(2048) for _ in range(4 + i)], 2 + i % 3] for i in range(10)]
+    (tmp_path / "reqs.json").write_text(json.dumps(reqs))
+    common = ["bench", "serve", "--port", str(server.port), "--api-key", API_KEY]
+    assert main([*common, "--requests-file", str(tmp_path / "reqs.json"), "--num-clients", "2",
+                 "--request-rate", "200", "--output-json", str(tmp_path / "a.json")]) == 0
+    result = json.loads((tmp_path / "a.json").read_text())
+    assert result["completed"] == 10 and result["failed"] == 0, result["errors"]
+    assert result["total_input_tokens"] == sum(len(p) for p, _ in reqs)
+    assert result["total_output_tokens"] == sum(n for _, n in reqs)
+    assert main([*common, "--num-prompts", "6", "--input-range", "3", "5", "--output-range", "2", "4",
+                 "--vocab-size", "2048", "--output-json", str(tmp_path / "b.json")]) == 0
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["completed"] == 6 and 6 * 3 <= result["total_input_tokens"] <= 6 * 5
+    assert 6 * 2 <= result["total_output_tokens"] <= 6 * 4
+    server.wait_idle()

@@ -250,3 +250,28 @@ def test_metrics_page_parses_with_vllm_names():
     assert value("vllm:num_preemptions_total") == 4
     assert value("vllm:cache_config_info", ("block_size", "16")) == 1
     assert value("attnserve:request_errors_total", ("status", "413")) == 1
+
+
+def test_completion_chunk_sse_is_pydantics_json():
+    """The direct writer of a stream's text chunks writes what pydantic writes, byte for byte."""
+    import random
+
+    from attnserve.entrypoints.openai.protocol import (
+        CompletionChoice,
+        CompletionResponse,
+        completion_chunk_head,
+        completion_chunk_sse,
+        sse,
+    )
+
+    rng = random.Random(0)
+    chars = 'ab"\\/\n\t\x00\x1f\x7f\u2028é日😀\ufffd<>&\''
+    for _ in range(300):
+        choices = [
+            CompletionChoice(index=rng.randrange(5), text="".join(rng.choices(chars, k=rng.randrange(6))),
+                             finish_reason=rng.choice([None, "stop", "length"]),
+                             stop_reason=rng.choice([None, 3, "</s>", 'a"b']))
+            for _ in range(rng.randint(1, 3))
+        ]
+        expected = sse(CompletionResponse(id='cmpl-x"y', created=17, model="m/é", choices=choices))
+        assert completion_chunk_sse(completion_chunk_head('cmpl-x"y', 17, "m/é"), choices) == expected

@@ -102,6 +102,23 @@ def sequences(name: str, tok: Tokenizer, rng: random.Random) -> list[list[int]]:
     return out
 
 
+# what can complete an unfinished character: a continuation byte, then two more
+CONTINUATIONS = [[c, *tail] for c in range(0x80, 0xC0) for tail in ([], [0x80, 0x80])]
+
+
+def check_held_tail(tok: Tokenizer, ids: list[int], emitted: str, skip: bool) -> None:
+    """What is held back is trailing U+FFFD only, the emitted text is final (no next byte changes
+    it) and, for the byte tokenizer without special tokens, nothing final is held back."""
+    full = tok.decode(ids, skip_special_tokens=skip)
+    assert full.startswith(emitted) and emitted.startswith(full.rstrip(REPLACEMENT)), (ids, emitted)
+    if not isinstance(tok, ByteTokenizer):
+        return
+    changed = [c for c in CONTINUATIONS if not tok.decode(ids + c, skip).startswith(full)]
+    assert all(tok.decode(ids + c, skip).startswith(emitted) for c in CONTINUATIONS)
+    if not tok.all_special_ids & set(ids):
+        assert (len(full) > len(emitted)) == bool(changed), (ids, emitted, full)
+
+
 def run_steps(tok: Tokenizer, ids: list[int], rng: random.Random, skip: bool) -> None:
     detok = IncrementalDetokenizer(tok, prompt_ids=[1, 2, 3], skip_special_tokens=skip)
     emitted, pos = "", 0
@@ -110,8 +127,7 @@ def run_steps(tok: Tokenizer, ids: list[int], rng: random.Random, skip: bool) ->
         delta = detok.step(ids[pos : pos + n])
         pos += n
         emitted += delta
-        full = tok.decode(ids[:pos], skip_special_tokens=skip)
-        assert emitted == full.rstrip(REPLACEMENT), (ids[:pos], emitted, full)
+        check_held_tail(tok, ids[:pos], emitted, skip)
         assert detok.output_text == emitted and detok.output_ids == ids[:pos]
     emitted += detok.flush()
     assert emitted == tok.decode(ids, skip_special_tokens=skip)
@@ -159,8 +175,8 @@ def test_byte_fallback_runs(tokenizers_by_name: dict[str, Tokenizer]) -> None:
 
 
 class CountingTokenizer(ByteTokenizer):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, vocab_size: int = 256) -> None:
+        super().__init__(vocab_size)
         self.longest = 0
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -182,6 +198,30 @@ def test_decodes_a_short_window() -> None:
     ]
     max_gap = max(b - a for a, b in zip(clean, clean[1:]))
     assert tok.longest <= 2 * max_gap < 50  # not the whole output (~1,500 ids)
+
+
+def test_undecodable_ids_decode_a_short_window() -> None:
+    # Random weights over a large vocabulary: nearly every id is a lone U+FFFD. Each is final at
+    # once, so the window stays short (it used to grow with the output: quadratic).
+    tok, plain = CountingTokenizer(vocab_size=151936), ByteTokenizer(vocab_size=151936)
+    rng = random.Random(5)
+    ids = [rng.randrange(151936) if rng.random() < 0.9 else rng.randrange(256) for _ in range(3000)]
+    detok = IncrementalDetokenizer(tok, [])
+    for token_id in ids:
+        detok.step([token_id])
+        assert len(detok.output_text) >= len(plain.decode(detok.output_ids)) - 1
+    assert detok.output_text + detok.flush() == plain.decode(ids)
+    assert tok.longest < 16
+
+
+def test_byte_tokenizer_token_bytes() -> None:
+    tok = ByteTokenizer(vocab_size=300, bos_token_id=256, eos_token_id=257)
+    rng = random.Random(7)
+    for _ in range(50):
+        ids = [rng.randrange(258, 300) if rng.random() < 0.2 else rng.randrange(256) for _ in range(20)]
+        stream = b"".join(tok.token_bytes(i) for i in ids)
+        assert stream.decode("utf-8", errors="replace") == tok.decode(ids)
+    assert tok.token_bytes(256) is None and tok.token_bytes(300) is None and tok.token_bytes(-1) is None
 
 
 def test_decode_token(tokenizers_by_name: dict[str, Tokenizer]) -> None:

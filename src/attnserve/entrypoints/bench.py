@@ -147,6 +147,11 @@ class _RequestResult:
     error: str = ""
 
 
+# compact JSON (as pydantic writes it): a chunk with choices, usage, an error; another spelling
+# is parsed in full, which is slower but still right
+_TOKEN_EVENT, _USAGE, _ERROR = '"choices":[{', '"usage":{', 'data: {"error"'
+
+
 async def _one_request(
     client: Any, model: str, prompt: list[int], max_tokens: int
 ) -> _RequestResult:
@@ -169,8 +174,17 @@ async def _one_request(
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: ") :])
                 now = time.perf_counter()
+                if _TOKEN_EVENT in line and _USAGE not in line and not line.startswith(_ERROR):
+                    # the common event, a choice's next text: timed, not parsed (the client
+                    # must keep up with the server, tens of thousands of events a second)
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    continue
+                chunk = json.loads(line[len("data: ") :])
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices"):
@@ -189,7 +203,32 @@ async def _one_request(
     return res
 
 
-async def _drive(args: argparse.Namespace) -> tuple[list[_RequestResult], float]:
+def serve_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """The (prompt ids, max tokens) of each request: read from ``--requests-file`` (a JSON list
+    of such pairs), or random: lengths from ``--input-range``/``--output-range`` (uniform,
+    inclusive) or ``--*-len`` with ``--range-ratio``, ids uniform in ``[0, --vocab-size)``."""
+    if args.requests_file:
+        with open(args.requests_file, encoding="utf-8") as f:
+            reqs = [(list(p), int(n)) for p, n in json.load(f)]
+        if not reqs or any(not p or n < 1 for p, n in reqs):
+            raise ValueError(f"{args.requests_file}: every request needs a prompt and max tokens >= 1")
+        return reqs
+    rng = random.Random(args.seed)
+
+    def lengths(mean: int, span: list[int] | None) -> list[int]:
+        if span is None:
+            return random_lengths(args.num_prompts, mean, args.range_ratio, rng)
+        if not 1 <= span[0] <= span[1]:
+            raise ValueError(f"a length range needs 1 <= LO <= HI, got {span}")
+        return [rng.randint(*span) for _ in range(args.num_prompts)]
+
+    in_lens, out_lens = lengths(args.input_len, args.input_range), lengths(args.output_len, args.output_range)
+    return list(zip(random_prompts(in_lens, args.vocab_size, rng), out_lens))
+
+
+async def _drive(args: argparse.Namespace, reqs: list[tuple[list[int], int]], rate: float,
+                 seed: int, show: bool) -> tuple[list[_RequestResult], float, float]:
+    """Send ``reqs`` at ``rate`` (Poisson); the results, the start and end times."""
     import asyncio
 
     import httpx
@@ -204,29 +243,52 @@ async def _drive(args: argparse.Namespace) -> tuple[list[_RequestResult], float]
         model = args.model
         if model is None:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        rng = random.Random(args.seed)
-        in_lens = random_lengths(args.num_prompts, args.input_len, args.range_ratio, rng)
-        out_lens = random_lengths(args.num_prompts, args.output_len, args.range_ratio, rng)
-        prompts = random_prompts(in_lens, args.vocab_size, rng)
-        limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
-        bar = tqdm(total=args.num_prompts, desc="Requests", unit="req")
+        rng = random.Random(seed)
+        limit = asyncio.Semaphore(args.max_concurrency or max(len(reqs), 1))
+        bar = tqdm(total=len(reqs), desc="Requests", unit="req", disable=not show)
 
-        async def run(i: int) -> _RequestResult:
+        async def run(prompt: list[int], max_tokens: int) -> _RequestResult:
             async with limit:
-                result = await _one_request(client, model, prompts[i], out_lens[i])
+                result = await _one_request(client, model, prompt, max_tokens)
             bar.update(1)
             return result
 
         start = time.perf_counter()
         tasks = []
-        for i in range(args.num_prompts):
-            tasks.append(asyncio.create_task(run(i)))
-            if args.request_rate != math.inf:
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+        for prompt, max_tokens in reqs:
+            tasks.append(asyncio.create_task(run(prompt, max_tokens)))
+            if rate != math.inf:
+                await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
         bar.close()
-        return list(results), elapsed
+        return list(results), start, end
+
+
+def _drive_part(args: argparse.Namespace, reqs: list[tuple[list[int], int]], rate: float,
+                seed: int, show: bool) -> tuple[list[_RequestResult], float, float]:
+    import asyncio
+
+    return asyncio.run(_drive(args, reqs, rate, seed, show))
+
+
+def _drive_all(args: argparse.Namespace) -> tuple[list[_RequestResult], float]:
+    """All requests, from ``--num-clients`` processes (each its own share of the requests and of
+    the rate: a Python client parses a few tens of thousands of events a second at most)."""
+    reqs = serve_requests(args)
+    k = max(1, min(args.num_clients, len(reqs)))
+    if k == 1:
+        results, start, end = _drive_part(args, reqs, args.request_rate, args.seed, True)
+        return results, end - start
+    from concurrent.futures import ProcessPoolExecutor
+
+    # clocks: perf_counter is system-wide on Linux (CLOCK_MONOTONIC), so the parts' times compare
+    with ProcessPoolExecutor(k) as pool:
+        parts = list(pool.map(_drive_part, [args] * k, [reqs[i::k] for i in range(k)],
+                              [args.request_rate / k] * k, [args.seed + i for i in range(k)],
+                              [i == 0 for i in range(k)]))
+    results = [r for part in parts for r in part[0]]
+    return results, max(p[2] for p in parts) - min(p[1] for p in parts)
 
 
 def _summary(name: str, values: list[float]) -> dict[str, float]:
@@ -239,9 +301,7 @@ def _summary(name: str, values: list[float]) -> dict[str, float]:
 
 
 def bench_serve(args: argparse.Namespace) -> int:
-    import asyncio
-
-    results, duration = asyncio.run(_drive(args))
+    results, duration = _drive_all(args)
     ok = [r for r in results if r.ok]
     num_in = sum(r.prompt_len for r in ok)
     num_out = sum(r.output_tokens for r in ok)
@@ -326,6 +386,13 @@ def add_bench_subparsers(bench: argparse.ArgumentParser) -> None:
         "--vocab-size", type=int, default=1000, help="prompt token ids are drawn from [0, N)"
     )
     srv.add_argument("--seed", type=int, default=0, help="the seed of prompts, lengths and arrivals")
+    for which in ("input", "output"):
+        srv.add_argument(f"--{which}-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                         help=f"{which} lengths uniform in [LO, HI] (instead of --{which}-len, --range-ratio)")
+    srv.add_argument("--requests-file", default=None, metavar="FILE",
+                     help="a JSON list of [prompt token ids, max tokens] pairs to send (instead of random ones)")
+    srv.add_argument("--num-clients", type=int, default=1,
+                     help="client processes, each sending its share of the requests at its share of the rate")
     srv.set_defaults(bench_func=bench_serve)
     for p in (lat, thr, srv):
         p.add_argument("--output-json", default=None, metavar="FILE",

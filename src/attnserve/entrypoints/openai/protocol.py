@@ -14,6 +14,7 @@ Not here: tokenising, talking to the engine, building responses from engine outp
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -113,6 +114,32 @@ def sse(payload: BaseModel | str) -> str:
     """One server-sent event (``data: [DONE]`` ends a stream)."""
     data = payload if isinstance(payload, str) else payload.model_dump_json()
     return f"data: {data}\n\n"
+
+
+def completion_chunk_sse(head: str, choices: list[CompletionChoice]) -> str:
+    """``sse(CompletionResponse(..., choices=choices))`` for choices without logprobs, written
+    directly: a stream sends one per token, and pydantic's model and dump cost five times
+    more. ``head`` is ``completion_chunk_head(...)``."""
+    parts = [
+        f'{{"index":{c.index},"text":{_json_str(c.text)},"logprobs":null,"finish_reason":'
+        f"{_json_opt(c.finish_reason)},\"stop_reason\":{_json_opt(c.stop_reason)}}}"
+        for c in choices
+    ]
+    return f"data: {head}{','.join(parts)}],\"usage\":null}}\n\n"
+
+
+def completion_chunk_head(rid: str, created: int, model: str) -> str:
+    """The JSON of a completion chunk up to its choices' list (see ``completion_chunk_sse``)."""
+    return (f'{{"id":{_json_str(rid)},"object":"text_completion","created":{int(created)},'
+            f'"model":{_json_str(model)},"choices":[')
+
+
+def _json_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _json_opt(value: int | str | None) -> str:
+    return "null" if value is None else json.dumps(value, ensure_ascii=False)
 
 
 # --- requests -------------------------------------------------------------------------------

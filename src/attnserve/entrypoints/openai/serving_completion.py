@@ -35,6 +35,8 @@ from attnserve.entrypoints.openai.protocol import (
     check_context,
     check_for_model,
     check_logprobs,
+    completion_chunk_head,
+    completion_chunk_sse,
     random_id,
     sse,
 )
@@ -122,6 +124,11 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int,
         except Exception as e:  # noqa: BLE001 - re-raised by the consumer
             queue.put_nowait((i, e))
 
+    if len(streams) == 1:  # the common case, without a task and a queue hop per item
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         left = len(tasks)
@@ -273,6 +280,7 @@ class OpenAIServingCompletion:
             for k in range(len(prompts) * n)
         ]
         finals: list[RequestOutput | None] = [None] * len(prompts)
+        head = completion_chunk_head(rid, created, self.model_name)
         try:
             async with aclosing(merge(streams)) as merged:
                 async for i, out in merged:
@@ -284,7 +292,9 @@ class OpenAIServingCompletion:
                         choice = self._chunk_choice(req, k, progress[k], c, out)
                         if choice is not None:
                             choices.append(choice)
-                    if choices:
+                    if choices and req.logprobs is None:
+                        yield completion_chunk_sse(head, choices)
+                    elif choices:
                         yield sse(
                             CompletionResponse(
                                 id=rid, created=created, model=self.model_name, choices=choices
