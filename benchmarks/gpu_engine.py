@@ -213,6 +213,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--skip-sync", action="store_true", help="no sync-scheduling rows")
+    ap.add_argument("--skip-nano", action="store_true", help="no nano-vllm rows (nor their peers)")
     ap.add_argument("--hf", choices=("generate", "continuous", "both"), default="both",
                     help="transformers peer: padded generate, continuous batching (generate_batch), or both")
     ap.add_argument("--limits", nargs="+", default=[], metavar="SEQSxTOKENS",
@@ -228,11 +229,13 @@ def main() -> None:
         seqs, tokens = (int(x) for x in lim.split("x"))
         steps.append((f"nano_vllm_attnserve_{lim}",
                       lambda s=seqs, t=tokens: throughput_attnserve(reqs, max_num_seqs=s, max_num_batched_tokens=t)))
+    if args.skip_nano:
+        steps = []
     if not args.skip_latency:
         steps[:0] = [("latency_8b", latency_8b), ("latency_8b_sync", lambda: latency_8b(async_scheduling=False))]
-    if not args.skip_hf and args.hf in ("continuous", "both"):
+    if not args.skip_hf and not args.skip_nano and args.hf in ("continuous", "both"):
         steps.append(("nano_vllm_transformers_cb", lambda: throughput_hf_continuous(reqs)))
-    if not args.skip_hf and args.hf in ("generate", "both"):
+    if not args.skip_hf and not args.skip_nano and args.hf in ("generate", "both"):
         steps.append(("nano_vllm_transformers", lambda: throughput_hf(reqs)))
     for name, fn in steps:
         t = time.perf_counter()
