@@ -207,15 +207,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["8b", "small"], choices=["8b", "small", "nano"])
     ap.add_argument("--old-small-kernels", action="store_true",
-                    help="TRITON_ATTN without the fused RoPE write and the in-kernel split merge")
+                    help="TRITON_ATTN without the fused RoPE write (RoPE, then the cache write)")
+    ap.add_argument("--split-merge", choices=("kernel", "last_split"), default=None,
+                    help="TRITON_ATTN's split merge (default: the backend's)")
     args = ap.parse_args()
-    if args.old_small_kernels:  # a benchmark's switch: class attributes the backend reads
-        from attnserve.attention.backends.triton_attn import TritonAttentionBackend
+    from attnserve.attention.backends.triton_attn import TritonAttentionBackend
 
+    if args.old_small_kernels:  # a benchmark's switch: class attributes the backend reads
         TritonAttentionBackend.fuses_rope = False
-        TritonAttentionBackend.split_merge = "kernel"
-    print("TRITON_ATTN small kernels:", "old (RoPE + write, merge kernel)" if args.old_small_kernels
-          else "fused (RoPE in the write, merge in the attention launch)", flush=True)
+    if args.split_merge:
+        TritonAttentionBackend.split_merge = args.split_merge
+    print("TRITON_ATTN small kernels:", "RoPE then write" if args.old_small_kernels else "RoPE in the write",
+          f"split merge: {TritonAttentionBackend.split_merge}", flush=True)
     if "nano" in args.parts:
         import gpu_engine
 

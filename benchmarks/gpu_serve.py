@@ -96,7 +96,9 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}): see {log_path}")
+                self.log.flush()
+                tail = Path(log_path).read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"the server exited ({self.proc.returncode}); {log_path} ends:\n{tail}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
                     return

@@ -2,8 +2,8 @@
 
 New K/V go into the cache with one kernel (with RoPE fused in when the layer leaves it to the
 backend: ``forward_rope``); decodes and prefills then run as two launches of
-``unified_attention`` (decodes take the split-KV decode path, whose splits merge in the same
-launch; prefills the tiled one). Every
+``unified_attention`` (decodes take the split-KV decode path and a merge launch; prefills the
+tiled one). Every
 feature of the layer (window, ALiBi, sinks, soft-cap, fp8 cache) is a kernel argument. The
 metadata holds device tensors and host-side bounds only, so a decode batch built over the graph
 runner's buffers can be captured in a CUDA graph (the contract's default hooks).
@@ -50,9 +50,10 @@ class TritonAttentionBackend(AttentionBackend):
     # the host bounds (batch, KV heads, max_seq_len), fixed at capture: the default graph hooks
     cuda_graph_safe = True
     fuses_rope = True  # rotation and cache write in one kernel (ops/triton_kv_write.py)
-    # how split-KV decode merges: in the attention launch, or "kernel" (a second launch; the
-    # older form, which benchmarks/gpu_profile.py --old-small-kernels selects for timing)
-    split_merge: ClassVar[str] = "last_split"
+    # how split-KV decode merges: "kernel" (a second launch) or "last_split" (the last split
+    # program to finish merges, in the attention launch). The H200 measured the in-launch merge
+    # 6-15 µs slower a layer call at batch 1-64 (benchmarks/gpu_small_kernels.py, 2026-12-02)
+    split_merge: ClassVar[str] = "kernel"
 
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TritonAttentionMetadata:
         bt = common.block_tables[group_id]
