@@ -6,10 +6,11 @@ divide by the cache scales (fp8 caches), convert to the cache dtype and write th
 cache entry) is skipped. ``rope_write_kv_cache`` does the same with RoPE fused in, one launch
 instead of two: programs for q's heads write rotated q to a new tensor, programs for the KV
 heads rotate k on the way into the cache (rounded as the unfused rotation then write round
-it, so the cache holds the same bits). Not here: choosing slots (the block manager and the
+it, so the cache holds the same bits), after a per-head q/k RMSNorm where one is given (Qwen3;
+rounded as ``RMSNorm``). Not here: choosing slots (the block manager and the
 model runner do that) and reading the cache (``ops/triton_paged_attention.py``). The PyTorch
 twins are ``attention.reference.write_kv`` and, with RoPE, ``layers.fused.rotary_ref`` then
-``write_kv``.
+``write_kv`` (``rms_norm_ref`` on q and k first, with the q/k norm).
 """
 
 from __future__ import annotations
