@@ -7,11 +7,18 @@
    against the merge inside the attention launch (``merge="last_split"``, one), at the split
    count a decode graph uses (``pick_num_splits`` with ``max(context, --max-model-len)``: the
    graph runner's host bound is ``max_model_len``).
+3. Qwen3's per-head q/k RMSNorm in front of the fused RoPE write: ``rms_norm`` on q and on k
+   then ``rope_write_kv_cache`` (three launches) against ``rope_write_kv_cache(qk_norm=...)``
+   (one), at Qwen3-0.6B's layer shape (16 q heads, 8 KV heads of 128, 28 layers), batch 1 and
+   256, context 512.
 
 Correctness first, on every batch: the fused RoPE write gives the unfused Triton path's bits
 (q and the cache) and the PyTorch twin's values (``rotary_ref`` + ``write_kv``); both merges
-match ``attention.reference.paged_attention`` (max|out - ref| / max|ref| <= 2e-2). The script
-exits non-zero when a check fails.
+match ``attention.reference.paged_attention`` (max|out - ref| / max|ref| <= 2e-2); the fused q/k
+norm matches the three launches and the PyTorch twin (``rms_norm_ref``, ``rotary_ref``,
+``write_kv``) to the same tolerance (not to the bit on the GPU: its sum of squares reduces another
+tile layout than ``rms_norm``'s; the row says how many q values differ). The script exits
+non-zero when a check fails.
 
 Timing: one CUDA graph per variant holds ``--reps`` rounds over ``L`` layers (each layer its own
 cache, as in the model, so the caches do not all sit in L2); the time per call is the median
@@ -43,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 from attnserve.attention.reference import paged_attention, write_kv  # noqa: E402
-from attnserve.layers.fused import rotary_ref  # noqa: E402
-from attnserve.ops.triton_fused import rotary  # noqa: E402
+from attnserve.layers.fused import rms_norm_ref, rotary_ref  # noqa: E402
+from attnserve.ops.triton_fused import rms_norm, rotary  # noqa: E402
 from attnserve.ops.triton_kv_write import rope_write_kv_cache, write_kv_cache  # noqa: E402
 from attnserve.ops.triton_paged_attention import pick_num_splits, unified_attention  # noqa: E402
 
@@ -92,6 +99,84 @@ def rope_old(layer: Layer, table: torch.Tensor) -> torch.Tensor:
 def rope_new(layer: Layer, table: torch.Tensor) -> torch.Tensor:
     return rope_write_kv_cache(layer.q, layer.k, layer.v, layer.k_cache, layer.v_cache, layer.slots,
                                table, layer.positions, table.shape[1], False)
+
+
+def qk_shapes(smoke: bool) -> dict:
+    """Qwen3-0.6B's attention layer (``s`` for ``Layer``), decode batches 1 and 256."""
+    if smoke:
+        return dict(dev="cpu", dtype=torch.float32, heads=4, kv_heads=2, head=32, layers=2, batches=(1, 2))
+    return dict(dev="cuda", dtype=torch.bfloat16, heads=16, kv_heads=8, head=128, layers=28, batches=(1, 256))
+
+
+def qk_norm_weights(layer: Layer, gen: torch.Generator) -> tuple:
+    d, dev = layer.q.shape[-1], layer.q.device
+    w = [(torch.rand(d, device=dev, generator=gen) + 0.5).to(layer.q.dtype) for _ in range(2)]
+    return w[0], w[1], 1e-6, 1e-6
+
+
+def qk_norm_old(layer: Layer, table: torch.Tensor, norm: tuple) -> torch.Tensor:
+    q, k = rms_norm(layer.q, norm[0], norm[2]), rms_norm(layer.k, norm[1], norm[3])
+    return rope_write_kv_cache(q, k, layer.v, layer.k_cache, layer.v_cache, layer.slots, table, layer.positions,
+                               table.shape[1], False)
+
+
+def qk_norm_new(layer: Layer, table: torch.Tensor, norm: tuple) -> torch.Tensor:
+    return rope_write_kv_cache(layer.q, layer.k, layer.v, layer.k_cache, layer.v_cache, layer.slots, table,
+                               layer.positions, table.shape[1], False, qk_norm=norm)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
+
+
+def check_qk_norm(layer: Layer, table: torch.Tensor, norm: tuple) -> tuple[list[str], int]:
+    """Failures of the fused q/k norm against the three launches and the twin, and how many q
+    values differ from the three launches' bits."""
+    caches = (layer.k_cache.clone(), layer.v_cache.clone())
+    q_old = qk_norm_old(layer, table, norm)
+    old = (layer.k_cache.clone(), layer.v_cache.clone())
+    layer.k_cache.copy_(caches[0])
+    layer.v_cache.copy_(caches[1])
+    q_new = qk_norm_new(layer, table, norm)
+    twin = [c.clone() for c in caches]
+    q_ref, k_ref = rotary_ref(rms_norm_ref(layer.q, norm[0], norm[2]), rms_norm_ref(layer.k, norm[1], norm[3]),
+                              table, layer.positions, table.shape[1], False)
+    write_kv(*twin, k_ref, layer.v, layer.slots)
+    bad = []
+    for name, got, a, b in (("q", q_new, q_old, q_ref), ("k cache", layer.k_cache, old[0], twin[0]),
+                            ("v cache", layer.v_cache, old[1], twin[1])):
+        for what, want in (("the three launches", a), ("the PyTorch twin", b)):
+            err = rel_err(got, want)
+            if not err <= REL_TOL:
+                bad.append(f"fused q/k norm: {name} off {what} by {err:.1e}")
+    return bad, int((q_new != q_old).sum().item())
+
+
+def run_qk_norm(args) -> tuple[list[dict], list[str]]:
+    s = qk_shapes(args.smoke)
+    gen = torch.Generator(device=s["dev"]).manual_seed(1)
+    ctx, d = 512, s["head"]
+    angles = torch.arange(ctx + 1, device=s["dev"]).float()[:, None] * (
+        1e6 ** (-torch.arange(0, d, 2, device=s["dev"]).float() / d))
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    rows, failures = [], []
+    reps = 1 if args.smoke else args.reps
+    for batch in s["batches"]:
+        layers = [Layer(s, batch, ctx, gen) for _ in range(s["layers"])]
+        norms = [qk_norm_weights(x, gen) for x in layers]
+        bad, q_diff = check_qk_norm(layers[0], table, norms[0])
+        failures += [f"qk-norm batch {batch}: {b}" for b in bad]
+        row = dict(batch=batch, context=ctx, layers=len(layers), q_values_not_bit_equal=q_diff)
+        for name, call in (("norm2_rope_write", qk_norm_old), ("fused", qk_norm_new)):
+            pairs = list(zip(layers, norms))
+            fn = lambda call=call, pairs=pairs: [call(x, table, w) for x, w in pairs]  # noqa: E731
+            row[name] = round(time_per_call(s, fn, len(layers), reps), 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del layers, norms, pairs, fn
+        if s["dev"] == "cuda":
+            torch.cuda.empty_cache()
+    return rows, failures
 
 
 def attend(layer: Layer, splits: int, merge: str, ctx: int) -> torch.Tensor:
@@ -208,6 +293,8 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("needs a CUDA device (or --smoke)")
     rows, failures = run(s, args)
+    qk_rows, qk_failures = run_qk_norm(args)
+    failures += qk_failures
     print("\nus per layer call (decode; RoPE+write: 2 launches -> 1; split attention: 2 -> 1)")
     print(f"{'batch':>5} {'ctx':>5} {'splits':>6} | {'rope+write':>10} {'fused':>7} {'saved':>6} | "
           f"{'attn+merge':>10} {'merged':>7} {'saved':>6}")
@@ -216,9 +303,14 @@ def main() -> None:
               f"{r['rope_write_fused']:>7.2f} {r['rope_write_old'] - r['rope_write_fused']:>6.2f} | "
               f"{r['attn_merge_kernel']:>10.2f} {r['attn_merge_in_kernel']:>7.2f} "
               f"{r['attn_merge_kernel'] - r['attn_merge_in_kernel']:>6.2f}")
+    print("\nus per layer call, Qwen3-0.6B shape (q/k RMSNorm + RoPE+write: 3 launches -> 1)")
+    print(f"{'batch':>5} | {'2 norms + rope+write':>20} {'fused':>7} {'saved':>6} | q values not bit-equal")
+    for r in qk_rows:
+        print(f"{r['batch']:>5} | {r['norm2_rope_write']:>20.2f} {r['fused']:>7.2f} "
+              f"{r['norm2_rope_write'] - r['fused']:>6.2f} | {r['q_values_not_bit_equal']}")
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "gpu_small_kernels.json"
-        path.write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
+        path.write_text(json.dumps({"rows": rows, "qk_norm_rows": qk_rows, "failures": failures}, indent=1))
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)

@@ -22,6 +22,8 @@ RoPE: the model's layer normally rotates q and k before ``forward``. A backend w
 ``fuses_rope`` also takes ``forward_rope``: q and k arrive unrotated with a ``RopeTable``, and
 the backend rotates them on the way (TRITON_ATTN: in the kernel that writes the cache). The
 layer uses it only for a RoPE whose rotation depends on the position alone (``RopeTable``).
+A ``RopeTable`` may also carry a per-head RMSNorm of q and k (Qwen3's q_norm/k_norm), which
+``forward_rope`` applies before the rotation.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class RopeTable:
     positions: torch.Tensor  # [num_tokens] int32/int64, each below max_pos
     rotary_dim: int  # the leading dims of each q/k head that rotate
     interleaved: bool  # GPT-J adjacent pairs if True, else NeoX halves
+    # RMSNorm of each q and k head before the rotation: (q_weight [D], k_weight [D], q_eps, k_eps),
+    # weights in q's dtype, plain (not zero-centred); None: no norm
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
 
 
 class Backend(ABC):
@@ -128,8 +133,9 @@ class AttentionBackend(Backend):
 
     def forward_rope(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_cache: Any, metadata: Any, rope: RopeTable) -> torch.Tensor:
-        """``forward`` with q and k not yet rotated: the same result as rotating them by
-        ``rope`` first (``layers.fused.rotary``), then ``forward``. Only where ``fuses_rope``."""
+        """``forward`` with q and k not yet rotated: the same result as normalising them by
+        ``rope.qk_norm`` (if any, ``layers.fused.rms_norm``) and rotating them by ``rope``
+        (``layers.fused.rotary``) first, then ``forward``. Only where ``fuses_rope``."""
         raise NotImplementedError(f"{self.name} does not fuse RoPE (fuses_rope is False)")
 
     @abstractmethod

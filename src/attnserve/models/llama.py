@@ -48,9 +48,9 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(t, self.num_heads, self.head_size)  # [T, H, D]
         k = k.reshape(t, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))  # RoPE in attn
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+        # q/k norms and RoPE in attn (one kernel with the cache write where the backend fuses them)
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb, qk_norm))
 
 
 class LlamaDecoderLayer(nn.Module):

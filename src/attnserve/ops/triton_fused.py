@@ -89,20 +89,47 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, heads,
 
 
 @triton.jit
-def _rope_pairs(x_row, h_ok, cos, sin, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr):
+def _head_inv_rms(x_row, h_ok, eps, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """1 / rms [BLOCK_H, 1] of each whole head at ``x_row`` [BLOCK_H, 1] (a per-head q/k norm),
+    summed over a [BLOCK_H, HEAD_PAD] tile as ``_rms_norm_kernel`` sums its [rows, dim] tile."""
+    j = tl.arange(0, HEAD_PAD)
+    x = tl.load(x_row + j[None, :], mask=h_ok[:, None] & (j[None, :] < HEAD), other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=1) / HEAD + eps)[:, None]
+
+
+@triton.jit
+def _normed(x, idx, inv, w_ptr, ty, NORM: tl.constexpr):
+    """fp32 x [BLOCK_H, N] (dims ``idx`` [N] of its heads) after the per-head RMSNorm, rounded
+    as ``layers/norm.py`` rounds: ``x * inv`` cast to the dtype, times the weight, cast again.
+    Unchanged without NORM."""
+    if NORM:
+        w = tl.load(w_ptr + idx).to(tl.float32)[None, :]
+        x = (w * (x * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rope_pairs(x_row, h_ok, cos, sin, inv, w_ptr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
     """The rotated pairs (o1, o2) [BLOCK_H, HALF_PAD] of the heads at ``x_row`` [BLOCK_H, 1],
-    fp32 values rounded to x's dtype where the PyTorch path rounds them."""
+    fp32 values rounded to x's dtype where the PyTorch path rounds them; with NORM the heads
+    are RMS-normalised first (``inv`` from ``_head_inv_rms``, weight at ``w_ptr``)."""
     d = tl.arange(0, HALF_PAD)
+    ty = x_row.dtype.element_ty
     if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: one contiguous load, split in registers
         e = tl.arange(0, 2 * HALF_PAD)
-        x = tl.load(x_row + e[None, :], mask=h_ok[:, None] & (e[None, :] < ROT), other=0.0)
-        x1, x2 = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, HALF_PAD, 2)))
+        e_ok = e < ROT
+        x = tl.load(x_row + e[None, :], mask=h_ok[:, None] & e_ok[None, :], other=0.0)
+        x = _normed(x.to(tl.float32), tl.where(e_ok, e, 0), inv, w_ptr, ty, NORM)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, HALF_PAD, 2)))
     else:  # NeoX: pairs (x_i, x_{i + ROT/2})
-        mask = h_ok[:, None] & (d[None, :] < ROT // 2)
+        d_ok = d < ROT // 2
+        mask = h_ok[:, None] & d_ok[None, :]
         x1 = tl.load(x_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_row + ROT // 2 + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    ty = x_row.dtype.element_ty
+        d = tl.where(d_ok, d, 0)
+        x1 = _normed(x1, d, inv, w_ptr, ty, NORM)
+        x2 = _normed(x2, ROT // 2 + d, inv, w_ptr, ty, NORM)
     # the PyTorch path casts cos/sin to the dtype and rounds each product and each sum there
     c = cos.to(ty).to(tl.float32)[None, :]
     s = sin.to(ty).to(tl.float32)[None, :]
@@ -112,11 +139,12 @@ def _rope_pairs(x_row, h_ok, cos, sin, ROT: tl.constexpr, INTERLEAVED: tl.conste
 
 
 @triton.jit
-def _store_rope(x_row, o_row, h_ok, o1, o2, scale, HEAD: tl.constexpr, ROT: tl.constexpr,
-                INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr,
-                TAIL_PAD: tl.constexpr):
-    """Store the rotated pairs and the unrotated dims past ROT (read from ``x_row``) at
-    ``o_row`` [BLOCK_H, 1], divided by ``scale`` (an fp8 cache's; 1.0: unchanged) in o's dtype."""
+def _store_rope(x_row, o_row, h_ok, o1, o2, scale, inv, w_ptr, HEAD: tl.constexpr,
+                ROT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
+                HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, NORM: tl.constexpr):
+    """Store the rotated pairs and the unrotated dims past ROT (read from ``x_row``, normalised
+    with NORM) at ``o_row`` [BLOCK_H, 1], divided by ``scale`` (an fp8 cache's; 1.0: unchanged)
+    in o's dtype."""
     ty = o_row.dtype.element_ty
     d = tl.arange(0, HALF_PAD)
     if INTERLEAVED:
@@ -130,9 +158,11 @@ def _store_rope(x_row, o_row, h_ok, o1, o2, scale, HEAD: tl.constexpr, ROT: tl.c
         tl.store(o_row + ROT // 2 + d[None, :], (o2.to(tl.float32) / scale).to(ty), mask=mask)
     if ROT < HEAD:  # partial rotary: the rest of the head passes through
         j = ROT + tl.arange(0, TAIL_PAD)
-        tail_mask = h_ok[:, None] & (j[None, :] < HEAD)
-        tail = tl.load(x_row + j[None, :], mask=tail_mask, other=0.0)
-        tl.store(o_row + j[None, :], (tail.to(tl.float32) / scale).to(ty), mask=tail_mask)
+        j_ok = j < HEAD
+        tail_mask = h_ok[:, None] & j_ok[None, :]
+        tail = tl.load(x_row + j[None, :], mask=tail_mask, other=0.0).to(tl.float32)
+        tail = _normed(tail, tl.where(j_ok, j, 0), inv, w_ptr, x_row.dtype.element_ty, NORM)
+        tl.store(o_row + j[None, :], (tail / scale).to(ty), mask=tail_mask)
 
 
 @triton.jit
@@ -147,17 +177,22 @@ def _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT: tl.constexpr, HALF_PAD: t
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, sx_t, sx_h, so_t, so_h, t, h0, num_heads, cos, sin,
+def _rotate_heads(x_ptr, o_ptr, sx_t, sx_h, so_t, so_h, t, h0, num_heads, cos, sin, w_ptr, eps,
                   HEAD: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr):
-    """Rotate heads [h0, h0 + BLOCK_H) of token t; copy dims past ROT unchanged."""
+                  BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
+                  NORM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Rotate heads [h0, h0 + BLOCK_H) of token t; copy dims past ROT unchanged. With NORM each
+    head is RMS-normalised first (weight at ``w_ptr``, ``eps``)."""
     h = h0 + tl.arange(0, BLOCK_H)
     h_ok = h < num_heads
     x_row = x_ptr + t.to(tl.int64) * sx_t + h[:, None].to(tl.int64) * sx_h  # [BLOCK_H, 1]
     o_row = o_ptr + t.to(tl.int64) * so_t + h[:, None].to(tl.int64) * so_h
-    o1, o2 = _rope_pairs(x_row, h_ok, cos, sin, ROT, INTERLEAVED, BLOCK_H, HALF_PAD)
-    _store_rope(x_row, o_row, h_ok, o1, o2, 1.0, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD,
-                TAIL_PAD)
+    inv = 1.0
+    if NORM:
+        inv = _head_inv_rms(x_row, h_ok, eps, HEAD, HEAD_PAD)
+    o1, o2 = _rope_pairs(x_row, h_ok, cos, sin, inv, w_ptr, ROT, INTERLEAVED, BLOCK_H, HALF_PAD, NORM)
+    _store_rope(x_row, o_row, h_ok, o1, o2, 1.0, inv, w_ptr, HEAD, ROT, INTERLEAVED, BLOCK_H,
+                HALF_PAD, TAIL_PAD, NORM)
 
 
 @triton.jit
@@ -171,10 +206,12 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, table_ptr, pos_ptr, sq_t, sq_h,
     cos, sin = _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT, HALF_PAD)
     if blk < NUM_Q_BLOCKS:
         _rotate_heads(q_ptr, qo_ptr, sq_t, sq_h, sqo_t, sqo_h, t, blk * BLOCK_H, num_q_heads,
-                      cos, sin, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD, TAIL_PAD)
+                      cos, sin, q_ptr, 0.0, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD, TAIL_PAD,
+                      False, 1)
     else:
         _rotate_heads(k_ptr, ko_ptr, sk_t, sk_h, sko_t, sko_h, t, (blk - NUM_Q_BLOCKS) * BLOCK_H,
-                      num_k_heads, cos, sin, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD, TAIL_PAD)
+                      num_k_heads, cos, sin, k_ptr, 0.0, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD,
+                      TAIL_PAD, False, 1)
 
 
 @triton.jit

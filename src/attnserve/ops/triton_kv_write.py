@@ -6,10 +6,11 @@ divide by the cache scales (fp8 caches), convert to the cache dtype and write th
 cache entry) is skipped. ``rope_write_kv_cache`` does the same with RoPE fused in, one launch
 instead of two: programs for q's heads write rotated q to a new tensor, programs for the KV
 heads rotate k on the way into the cache (rounded as the unfused rotation then write round
-it, so the cache holds the same bits). Not here: choosing slots (the block manager and the
+it, so the cache holds the same bits), after a per-head q/k RMSNorm where one is given (Qwen3;
+rounded as ``RMSNorm``). Not here: choosing slots (the block manager and the
 model runner do that) and reading the cache (``ops/triton_paged_attention.py``). The PyTorch
 twins are ``attention.reference.write_kv`` and, with RoPE, ``layers.fused.rotary_ref`` then
-``write_kv``.
+``write_kv`` (``rms_norm_ref`` on q and k first, with the q/k norm).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from attnserve.ops.triton_fused import (
     _block_elems,
+    _head_inv_rms,
     _rope_cos_sin,
     _rope_pairs,
     _rotate_heads,
@@ -81,21 +83,25 @@ def _write_kv_kernel(
 # fmt: off
 @triton.jit(do_not_specialize=("num_slots",))
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, key_cache_ptr, value_cache_ptr, table_ptr,
-                          pos_ptr, slot_ptr, k_scale, v_scale, num_slots, num_q_heads,
-                          num_kv_heads, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, s_table,
-                          stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                          pos_ptr, slot_ptr, qw_ptr, kw_ptr, q_eps, k_eps, k_scale, v_scale,
+                          num_slots, num_q_heads, num_kv_heads, sq_t, sq_h, sk_t, sk_h, sv_t,
+                          sv_h, sqo_t, sqo_h, s_table, stride_kcb, stride_kcs, stride_kch,
+                          stride_vcb, stride_vcs, stride_vch,
                           PAGE: tl.constexpr, HEAD: tl.constexpr, HEAD_V: tl.constexpr,
                           HEAD_V_PAD: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF_PAD: tl.constexpr,
-                          TAIL_PAD: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr):
+                          TAIL_PAD: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
+                          HAS_QK_NORM: tl.constexpr, HEAD_PAD: tl.constexpr):
     """Programs (t, b): b < NUM_Q_BLOCKS rotates a block of q's heads into qo; the others
-    rotate a block of k's heads into the cache and store the same heads of v there."""
+    rotate a block of k's heads into the cache and store the same heads of v there. With
+    HAS_QK_NORM q's and k's heads are RMS-normalised first (weights qw, kw; q_eps, k_eps)."""
     t = tl.program_id(0)
     blk = tl.program_id(1)
     cos, sin = _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT, HALF_PAD)
     if blk < NUM_Q_BLOCKS:
         _rotate_heads(q_ptr, qo_ptr, sq_t, sq_h, sqo_t, sqo_h, t, blk * BLOCK_HQ, num_q_heads,
-                      cos, sin, HEAD, ROT, INTERLEAVED, BLOCK_HQ, HALF_PAD, TAIL_PAD)
+                      cos, sin, qw_ptr, q_eps, HEAD, ROT, INTERLEAVED, BLOCK_HQ, HALF_PAD,
+                      TAIL_PAD, HAS_QK_NORM, HEAD_PAD)
     else:
         slot = tl.load(slot_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
         if slot >= 0:
@@ -106,9 +112,13 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, key_cache_ptr, value_cach
             t64 = t.to(tl.int64)
             k_row = k_ptr + t64 * sk_t + h[:, None] * sk_h  # [BLOCK_HK, 1]
             kc_row = key_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch
-            o1, o2 = _rope_pairs(k_row, h_ok, cos, sin, ROT, INTERLEAVED, BLOCK_HK, HALF_PAD)
-            _store_rope(k_row, kc_row, h_ok, o1, o2, k_scale, HEAD, ROT, INTERLEAVED, BLOCK_HK,
-                        HALF_PAD, TAIL_PAD)
+            inv = 1.0
+            if HAS_QK_NORM:
+                inv = _head_inv_rms(k_row, h_ok, k_eps, HEAD, HEAD_PAD)
+            o1, o2 = _rope_pairs(k_row, h_ok, cos, sin, inv, kw_ptr, ROT, INTERLEAVED, BLOCK_HK,
+                                 HALF_PAD, HAS_QK_NORM)
+            _store_rope(k_row, kc_row, h_ok, o1, o2, k_scale, inv, kw_ptr, HEAD, ROT, INTERLEAVED,
+                        BLOCK_HK, HALF_PAD, TAIL_PAD, HAS_QK_NORM)
             dv = tl.arange(0, HEAD_V_PAD)
             v_mask = h_ok[:, None] & (dv[None, :] < HEAD_V)
             v = tl.load(v_ptr + t64 * sv_t + h[:, None] * sv_h + dv[None, :], mask=v_mask)
@@ -130,6 +140,16 @@ def _check_kv(k, v, key_cache, value_cache, num_tokens: int) -> None:
     for name, t in (("k", k), ("v", v), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
+
+
+def _check_qk_norm(qk_norm, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    q_w, k_w, q_eps, k_eps = qk_norm
+    head = q.shape[-1]
+    for name, w, x in (("q", q_w, q), ("k", k_w, k)):
+        if w.shape != (head,) or w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"qk_norm: the {name} weight {tuple(w.shape)} {w.dtype} must be [{head}] "
+                             f"in {name}'s dtype {x.dtype} on its device")
+    return q_w.contiguous(), k_w.contiguous(), float(q_eps), float(k_eps)
 
 
 def write_kv_cache(
@@ -198,11 +218,14 @@ def rope_write_kv_cache(
     interleaved: bool,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:
     """RoPE on q and k, and rotated k with v stored at their cache slots, in one launch.
 
     Equal to the unfused ``triton_fused.rotary`` then ``write_kv_cache`` (the same bits in the
-    cache and in q).
+    cache and in q). With ``qk_norm`` q's and k's heads are first RMS-normalised over the
+    whole head, as ``layers.norm.RMSNorm`` (``triton_fused.rms_norm``) then the rotation: the
+    same roundings, the sum of squares over the same padded tile.
 
     Args:
         q: [T, num_heads, head_size]; k: [>= S, num_kv_heads, head_size]; v: [>= S,
@@ -213,6 +236,8 @@ def rope_write_kv_cache(
             (``RotaryEmbedding``'s table); positions: [T] int32/int64, each below max_pos.
         rotary_dim: even, at most head_size; the dims past it are not rotated.
         interleaved: GPT-J adjacent pairs if True, else NeoX halves.
+        qk_norm: ``(q_weight, k_weight, q_eps, k_eps)``, weights [head_size] in q's (and k's)
+            dtype (a plain RMSNorm, not zero-centred), or None: no norm.
     Returns:
         The rotated q: a new contiguous [T, num_heads, head_size] tensor of q's dtype.
     """
@@ -226,6 +251,7 @@ def rope_write_kv_cache(
         raise ValueError(f"rotary_dim {rotary_dim} vs head {head}, table {tuple(cos_sin_table.shape)}")
     if q.stride(-1) != 1 or cos_sin_table.dtype != torch.float32:
         raise ValueError("q must be contiguous in its last dimension and the table float32")
+    q_w, k_w, q_eps, k_eps = _check_qk_norm(qk_norm, q, k) if qk_norm is not None else (q, k, 0.0, 0.0)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t == 0:
         return q_out
@@ -233,20 +259,25 @@ def rope_write_kv_cache(
     num_kv_heads, head_v = key_cache.shape[2], value_cache.shape[3]
     half_pad = triton.next_power_of_2(max(rotary_dim // 2, 1))
     head_v_pad = triton.next_power_of_2(head_v)
-    block_hq = min(triton.next_power_of_2(num_q_heads), max(1, _block_elems() // half_pad))
-    block_hk = min(triton.next_power_of_2(num_kv_heads), max(1, _block_elems() // max(half_pad, head_v_pad)))
+    # a q/k norm holds whole heads (its sum of squares): blocks are sized by the head then
+    head_pad = triton.next_power_of_2(head) if qk_norm is not None else 1
+    q_elems = max(half_pad, head_pad)
+    block_hq = min(triton.next_power_of_2(num_q_heads), max(1, _block_elems() // q_elems))
+    block_hk = min(triton.next_power_of_2(num_kv_heads), max(1, _block_elems() // max(q_elems, head_v_pad)))
     num_q_blocks = triton.cdiv(num_q_heads, block_hq)
     grid = (t, num_q_blocks + triton.cdiv(num_kv_heads, block_hk))
     # no FMA contraction: x1 * c - x2 * s must round like the two products of the torch path
     _rope_write_kv_kernel[grid](
-        q, k, v, q_out, key_cache, value_cache, table, positions.contiguous(),
-        slot_mapping, float(k_scale), float(v_scale), num_slots, num_q_heads, num_kv_heads,
+        q, k, v, q_out, key_cache, value_cache, table, positions.contiguous(), slot_mapping,
+        q_w, k_w, q_eps, k_eps, float(k_scale), float(v_scale), num_slots, num_q_heads, num_kv_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), table.stride(0), *key_cache.stride()[:3],
         *value_cache.stride()[:3], PAGE=key_cache.shape[1], HEAD=head, HEAD_V=head_v,
         HEAD_V_PAD=head_v_pad, ROT=rotary_dim, INTERLEAVED=bool(interleaved), BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk, HALF_PAD=half_pad,
         TAIL_PAD=triton.next_power_of_2(max(head - rotary_dim, 1)), NUM_Q_BLOCKS=num_q_blocks,
-        num_warps=_warps(max(block_hq * half_pad, block_hk * head_v_pad), 4), enable_fp_fusion=False,
+        HAS_QK_NORM=qk_norm is not None, HEAD_PAD=head_pad,
+        num_warps=_warps(max(block_hq * q_elems, block_hk * max(head_pad, head_v_pad)), 4),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return q_out

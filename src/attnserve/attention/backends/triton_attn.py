@@ -1,9 +1,9 @@
 """TRITON_ATTN: standard attention over the paged cache with the Triton kernels (CUDA, ROCm).
 
-New K/V go into the cache with one kernel (with RoPE fused in when the layer leaves it to the
-backend: ``forward_rope``); decodes and prefills then run as two launches of
-``unified_attention`` (decodes take the split-KV decode path and a merge launch; prefills the
-tiled one). Every
+New K/V go into the cache with one kernel (with RoPE, and a q/k RMSNorm where the model has one,
+fused in when the layer leaves them to the backend: ``forward_rope``); decodes and prefills then
+run as two launches of ``unified_attention`` (decodes take the split-KV decode path and a merge
+launch; prefills the tiled one). Every
 feature of the layer (window, ALiBi, sinks, soft-cap, fp8 cache) is a kernel argument. The
 metadata holds device tensors and host-side bounds only, so a decode batch built over the graph
 runner's buffers can be captured in a CUDA graph (the contract's default hooks).
@@ -82,7 +82,8 @@ class TritonAttentionBackend(AttentionBackend):
                      rope: RopeTable) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         q = rope_write_kv_cache(q, k, v, key_cache, value_cache, metadata.slot_mapping, rope.cos_sin_table,
-                                rope.positions, rope.rotary_dim, rope.interleaved, layer.k_scale, layer.v_scale)
+                                rope.positions, rope.rotary_dim, rope.interleaved, layer.k_scale, layer.v_scale,
+                                rope.qk_norm)
         return self._attend(layer, q, key_cache, value_cache, metadata)
 
     def _attend(self, layer, q, key_cache, value_cache, metadata: TritonAttentionMetadata) -> torch.Tensor:
