@@ -214,13 +214,19 @@ def main() -> None:
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--skip-sync", action="store_true", help="no sync-scheduling rows")
     ap.add_argument("--skip-nano", action="store_true", help="no nano-vllm rows (nor their peers)")
+    ap.add_argument("--old-small-kernels", action="store_true",
+                    help="TRITON_ATTN without the fused q/k norm + RoPE + cache write (for A/B runs)")
     ap.add_argument("--hf", choices=("generate", "continuous", "both"), default="both",
                     help="transformers peer: padded generate, continuous batching (generate_batch), or both")
     ap.add_argument("--limits", nargs="+", default=[], metavar="SEQSxTOKENS",
                     help="extra nano-vllm runs with these max_num_seqs x max_num_batched_tokens (e.g. 256x16384)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result: dict = {"device": torch.cuda.get_device_name()}
+    if args.old_small_kernels:  # a benchmark's switch: the class attribute the layer reads
+        from attnserve.attention.backends.triton_attn import TritonAttentionBackend
+
+        TritonAttentionBackend.fuses_rope = False
+    result: dict = {"device": torch.cuda.get_device_name(), "old_small_kernels": args.old_small_kernels}
     reqs = workload()
     steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs))]
     if not args.skip_sync:
