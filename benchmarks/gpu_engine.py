@@ -6,7 +6,11 @@ Both models use random (dummy) weights in bfloat16. The latency figure is compar
 bandwidth floor of the bytes a decode step must read (weights without the input embedding,
 plus the KV cache), at the measured 4.25 TB/s copy bandwidth.
 
-    python benchmarks/gpu_engine.py [--skip-hf] [--json out.json]
+The throughput run uses the engine's platform defaults for the batch limits (what ``LLM(model)``
+gets, issue #21's "no tuning flags"); ``--max-num-seqs`` / ``--max-num-batched-tokens`` set
+them instead (the earlier tuned figures: 256 and 16384).
+
+    python benchmarks/gpu_engine.py [--skip-hf] [--max-num-seqs N] [--max-num-batched-tokens N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -91,10 +95,12 @@ def workload(n: int = 256, lo: int = 100, hi: int = 1024, vocab: int = 151936, s
             for _ in range(n)]
 
 
-def throughput_attnserve(reqs, async_scheduling: bool | None = None) -> dict:
+def throughput_attnserve(reqs, async_scheduling: bool | None = None, limits: dict | None = None) -> dict:
+    """``limits``: max_num_seqs / max_num_batched_tokens keywords (none: the platform defaults)."""
     d = model_dir("Qwen/Qwen3-0.6B")
-    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=16384, gpu_memory_utilization=0.85, async_scheduling=async_scheduling)
+    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.85,
+              async_scheduling=async_scheduling, **(limits or {}))
+    batch_limits = llm.llm_engine.parts.batch_limits.describe()
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     # token ids out, as nano-vllm's benchmark counts them: with dummy weights and the byte
     # tokenizer nearly every id is U+FFFD, which incremental detokenisation re-decodes per step
@@ -115,7 +121,7 @@ def throughput_attnserve(reqs, async_scheduling: bool | None = None) -> dict:
     torch.cuda.empty_cache()
     return {"elapsed_s": elapsed, "output_tokens": out_tokens, "tok_s": out_tokens / elapsed,
             "steps": stats.steps - steps0, "preemptions": stats.num_preemptions - preempt0,
-            "async_scheduling": llm_async, "triton_compiles_in_run": compiled}
+            "async_scheduling": llm_async, "triton_compiles_in_run": compiled, "batch_limits": batch_limits}
 
 
 def throughput_hf(reqs, batch: int = 256, budget_s: float = 150.0) -> dict:
@@ -175,11 +181,15 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the platform's")
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name()}
     reqs = workload()
-    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs)),
-             ("nano_vllm_attnserve_sync", lambda: throughput_attnserve(reqs, async_scheduling=False))]
+    limits = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs, limits=limits)),
+             ("nano_vllm_attnserve_sync", lambda: throughput_attnserve(reqs, async_scheduling=False, limits=limits))]
     if not args.skip_latency:
         steps[:0] = [("latency_8b", latency_8b), ("latency_8b_sync", lambda: latency_8b(async_scheduling=False))]
     if not args.skip_hf:
@@ -211,7 +221,8 @@ def main() -> None:
         r = result.get(key)
         if r is None:
             continue
-        line = f"| nano-vllm workload ({label}) | attnserve {r['tok_s']:.0f} tok/s ({r['elapsed_s']:.1f} s, {r['steps']} steps)"
+        line = (f"| nano-vllm workload ({label}; {r['batch_limits']}) | attnserve {r['tok_s']:.0f} tok/s "
+                f"({r['elapsed_s']:.1f} s, {r['steps']} steps)")
         if h is not None:
             line += f"; transformers {h['tok_s']:.0f} tok/s{' (' + h['note'] + ')' if h['note'] else ''}; " \
                     f"ratio {r['tok_s'] / h['tok_s']:.1f}x"
