@@ -14,6 +14,7 @@ transformers batching.
 
     python benchmarks/cpu_generate.py [--batches 1 16] [--prompt-len 128] [--new-tokens 128] [--json out.json]
     python benchmarks/cpu_generate.py --mixed [--requests 64] [--min-len 16] [--max-len 256] [--hf-batches 64 16]
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -118,12 +119,20 @@ def mixed(args: argparse.Namespace) -> None:
         reqs = mixed_requests(args.requests, args.min_len, args.max_len, CONFIG["vocab_size"])
         run_attnserve_mixed(llm, reqs[:2])  # warm-up
         run_hf_mixed(hf, reqs[:2], 2)
-        t_ours, toks = run_attnserve_mixed(llm, reqs)
-        hf_rows = {b: run_hf_mixed(hf, reqs, b) for b in args.hf_batches}
+        # alternating rounds, the fastest of each: on a shared machine a neighbour's load lands
+        # on whichever engine runs at the time
+        t_ours, hf_rows = float("inf"), {}
+        for _ in range(args.repeats):
+            t, toks = run_attnserve_mixed(llm, reqs)
+            t_ours = min(t_ours, t)
+            for b in args.hf_batches:
+                t, useful = run_hf_mixed(hf, reqs, b)
+                hf_rows[b] = min(hf_rows.get(b, (t, useful)), (t, useful))
     best = min(hf_rows, key=lambda b: hf_rows[b][0])
     print(f"model: llama, {params / 1e6:.1f}M parameters, {args.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{args.requests} requests, prompt and output lengths uniform in {args.min_len}..{args.max_len}: "
           f"{sum(len(p) for p, _ in reqs)} prompt tokens, {toks} output tokens")
+    print(f"fastest of {args.repeats} alternating rounds")
     print(f"attnserve LLM.generate, all at once: {t_ours:.1f} s, {toks / t_ours:.1f} tok/s")
     for b, (t, useful) in hf_rows.items():
         print(f"transformers generate, batches of {b} (left-padded): {t:.1f} s, {useful / t:.1f} useful tok/s")
@@ -147,6 +156,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--hf-batches", type=int, nargs="+", default=[64, 16])
+    ap.add_argument("--repeats", type=int, default=3, help="--mixed: alternating rounds, the fastest of each")
     args = ap.parse_args()
     if args.mixed:
         mixed(args)
