@@ -6,7 +6,11 @@ Both models use random (dummy) weights in bfloat16. The latency figure is compar
 bandwidth floor of the bytes a decode step must read (weights without the input embedding,
 plus the KV cache), at the measured 4.25 TB/s copy bandwidth.
 
-    python benchmarks/gpu_engine.py [--skip-hf] [--json out.json]
+The throughput run uses the engine's platform defaults for the batch limits (what ``LLM(model)``
+gets, issue #21's "no tuning flags"); ``--max-num-seqs`` / ``--max-num-batched-tokens`` set
+them instead (the earlier tuned figures: 256 and 16384).
+
+    python benchmarks/gpu_engine.py [--skip-hf] [--max-num-seqs N] [--max-num-batched-tokens N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ def throughput_attnserve(reqs, async_scheduling: bool | None = None, max_num_seq
     llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling)
     sched = llm.llm_engine.config.scheduler
+    batch_limits = llm.llm_engine.parts.batch_limits.describe()
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     # token ids out, as nano-vllm's benchmark counts them: with dummy weights and the byte
     # tokenizer nearly every id is U+FFFD, which incremental detokenisation re-decodes per step
@@ -120,7 +125,8 @@ def throughput_attnserve(reqs, async_scheduling: bool | None = None, max_num_seq
     return {"elapsed_s": elapsed, "output_tokens": out_tokens, "tok_s": out_tokens / elapsed,
             "steps": stats.steps - steps0, "preemptions": stats.num_preemptions - preempt0,
             "async_scheduling": llm_async, "triton_compiles_in_run": compiled,
-            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens}
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "batch_limits": batch_limits}
 
 
 def throughput_hf_continuous(reqs, budget_s: float = 300.0) -> dict:
@@ -221,6 +227,8 @@ def main() -> None:
     ap.add_argument("--limits", nargs="+", default=[], metavar="SEQSxTOKENS",
                     help="extra nano-vllm runs with these max_num_seqs x max_num_batched_tokens (e.g. 256x16384)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the platform's")
     args = ap.parse_args()
     if args.old_small_kernels:  # a benchmark's switch: the class attribute the layer reads
         from attnserve.attention.backends.triton_attn import TritonAttentionBackend
@@ -228,9 +236,10 @@ def main() -> None:
         TritonAttentionBackend.fuses_rope = False
     result: dict = {"device": torch.cuda.get_device_name(), "old_small_kernels": args.old_small_kernels}
     reqs = workload()
-    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs))]
+    mine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    steps = [("nano_vllm_attnserve", lambda: throughput_attnserve(reqs, **mine))]
     if not args.skip_sync:
-        steps.append(("nano_vllm_attnserve_sync", lambda: throughput_attnserve(reqs, async_scheduling=False)))
+        steps.append(("nano_vllm_attnserve_sync", lambda: throughput_attnserve(reqs, async_scheduling=False, **mine)))
     for lim in args.limits:
         seqs, tokens = (int(x) for x in lim.split("x"))
         steps.append((f"nano_vllm_attnserve_{lim}",
@@ -269,7 +278,7 @@ def main() -> None:
     for key in [k for k in result if k.startswith("nano_vllm_attnserve")]:
         r = result[key]
         label = key.removeprefix("nano_vllm_attnserve").lstrip("_") or "async, defaults"
-        line = (f"| nano-vllm workload ({label}; seqs {r['max_num_seqs']}, tokens {r['max_num_batched_tokens']}) | "
+        line = (f"| nano-vllm workload ({label}; {r['batch_limits']}) | "
                 f"attnserve {r['tok_s']:.0f} tok/s ({r['elapsed_s']:.1f} s, {r['steps']} steps, "
                 f"{r['preemptions']} preemptions)")
         for name, h in peers:

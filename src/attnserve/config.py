@@ -16,9 +16,13 @@ __all__ = [
     "OffloadConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "USAGE_CONTEXTS",
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# who builds the engine: the offline ``LLM`` class (and generate, bench) or the OpenAI server;
+# the batch limits' defaults depend on it (``engine/batch_limits.py``)
+USAGE_CONTEXTS = ("llm", "server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +92,21 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    # None: the platform's default, by device memory and usage context (engine/batch_limits.py);
+    # the engine runs with the resolved ints (LLMEngine.config)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     # schedule and launch the next step before reading the last one back; None: on for CUDA
     # where the model allows it (LLMEngine._async_allowed), off elsewhere
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer (or None: the platform's default), "
+                                 f"got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +149,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    usage_context: str = "llm"  # one of USAGE_CONTEXTS
+
+    def __post_init__(self) -> None:
+        if self.usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got '{self.usage_context}'")
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        """Route flat keywords (``LLM(...)`` / CLI names) to the sub-configs; unknown ones fail."""
+    def from_kwargs(cls, model: str, *, usage_context: str = "llm", **kwargs: Any) -> EngineConfig:
+        """Route flat keywords (``LLM(...)`` / CLI names) to the sub-configs; unknown ones fail.
+        ``usage_context`` is the builder's (``LLM``: "llm", the server: "server"), not a user's."""
         parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}}
         owners = {}
         for sub in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, OffloadConfig):
@@ -163,4 +176,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts.get(SchedulerConfig, {})),
             parallel=ParallelConfig(**parts.get(ParallelConfig, {})),
             offload=OffloadConfig(**parts.get(OffloadConfig, {})),
+            usage_context=usage_context,
         )

@@ -131,3 +131,28 @@ def test_engine_with_flex_attention_matches_torch_sdpa(tmp_path):
         for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             for tid in ea:
                 assert abs(ea[tid].logprob - eb[tid].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_queries", [1, 5])
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+def test_folded_gqa_equals_sdpa_with_enable_gqa(dtype, num_queries, heads):
+    """``attend`` folds a KV head's query heads into the query length; the result is SDPA's
+    with ``enable_gqa`` (the twin), per-batch masks included."""
+    from attnserve.attention.backends.torch_sdpa import attend
+
+    gen = torch.Generator().manual_seed(num_queries * 10 + heads[1])
+    (h, hkv), b, s, d = heads, 3, 40, 16
+    q = torch.randn(b, h, num_queries, d, generator=gen).to(dtype)
+    k, v = (torch.randn(b, hkv, s, d, generator=gen).to(dtype) for _ in range(2))
+    lens = torch.tensor([40, 17, 9])
+    qpos = lens[:, None] - num_queries + torch.arange(num_queries)[None]  # [B, Q]
+    dist = qpos[:, :, None] - torch.arange(s)[None, None]  # [B, Q, S]
+    valid = (torch.arange(s)[None, None] < lens[:, None, None]).expand(b, num_queries, s)
+    layer = SimpleNamespace(scale=d ** -0.5, window=None, alibi_slopes=None, sinks=None, softcap=None)
+    out = attend(q, k, v, dist, valid, layer)
+    mask = (valid & (dist >= 0))[:, None]
+    twin = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale,
+                                                            enable_gqa=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, twin, atol=tol, rtol=tol)

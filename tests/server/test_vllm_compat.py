@@ -150,7 +150,8 @@ def test_startup_summary(reference):
     per_seq = -(-engine.max_model_len // 16)
     assert f"{usable:,} blocks of 16 tokens" in lines[2] and f"{usable * 16:,} tokens fit" in lines[2]
     assert f"holds {per_seq:,} blocks: {usable / per_seq:.2f}x" in lines[2]
-    assert lines[3].startswith("batch: max_num_seqs 128, max_num_batched_tokens 2048")
+    assert lines[3].startswith("batch: max_num_seqs 128 (set by the user), max_num_batched_tokens 2048 "
+                               "(platform default for CPU, LLM class), ")
 
 
 def test_throughput_logger_reports_while_busy_and_once_after():

@@ -161,7 +161,7 @@ def test_host_resident_latents_split_is_the_builders(capsys):
     plan = _builder_plan(name, CPU, kv_cache_dtype="fp8", block_size=block)
     report = _inspect_json(capsys, name, CPU, kv_cache_dtype="fp8", block_size=block)
     config = EngineConfig.from_kwargs(name, kv_cache_dtype="fp8", block_size=block, kv_offload_sparse_latents=True)
-    host = plan_host_latents(config, plan.arch, plan.layout, plan.max_model_len)
+    host = plan_host_latents(config, plan.arch, plan.layout, plan.max_model_len, max_num_seqs=128)
     split = report["sparse_latent_offload"]
     assert split["device_bytes_per_token"] * block == host.device_bytes_per_block
     assert split["host_bytes_per_token"] * block == host.host_bytes_per_block

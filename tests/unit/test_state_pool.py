@@ -50,7 +50,7 @@ def run_steps(sched: Scheduler, steps: int, token: int = 7):
 
 def test_prefill_steps_end_on_block_boundaries_and_snapshot():
     kv = KVCacheManager([full_group()], num_blocks=64, state_pool=StatePool(4, 8))
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100), kv, max_model_len=200)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=100), kv, max_model_len=200)
     r = req("a", range(3, 13))  # 10 tokens: the prompt's last boundary is 8
     sched.add_request(r)
     outs = run_steps(sched, 3)
@@ -65,7 +65,7 @@ def test_prefill_steps_end_on_block_boundaries_and_snapshot():
 
 def test_prefix_hit_restores_the_state_snapshot():
     kv = KVCacheManager([full_group()], num_blocks=64, state_pool=StatePool(4, 8))
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100), kv, max_model_len=200)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=100), kv, max_model_len=200)
     sched.add_request(req("a", range(3, 13), max_tokens=1))
     run_steps(sched, 5)
     assert not sched.running
@@ -81,7 +81,7 @@ def test_prefix_hit_restores_the_state_snapshot():
 
 def test_without_snapshot_there_is_no_hit():
     kv = KVCacheManager([full_group()], num_blocks=64, state_pool=StatePool(4, 0))
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100), kv, max_model_len=200)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=100), kv, max_model_len=200)
     sched.add_request(req("a", range(3, 13), max_tokens=1))
     run_steps(sched, 5)
     b = req("b", list(range(3, 11)) + [50, 51, 52])
@@ -92,7 +92,7 @@ def test_without_snapshot_there_is_no_hit():
 
 def test_preemption_frees_the_state_slot():
     kv = KVCacheManager([full_group()], num_blocks=9, state_pool=StatePool(2, 2))
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100), kv, max_model_len=32)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=100), kv, max_model_len=32)
     for i in range(2):
         sched.add_request(req(f"r{i}", range(10 * i + 3, 10 * i + 15), max_tokens=16))
     run_steps(sched, 60)

@@ -213,10 +213,12 @@ class AsyncLLMEngine:
     @classmethod
     def from_kwargs(cls, model: str | None = None, log_stats_interval: float | None = None,
                     **kwargs: Any) -> AsyncLLMEngine:
-        """Build the engine from ``LLM(...)``-style keywords and start its thread."""
+        """Build the engine from ``LLM(...)``-style keywords and start its thread; its batch
+        limits default to the server's (``usage_context="server"``)."""
         from attnserve.config import EngineConfig
         from attnserve.presets import DEFAULT_MODEL
 
+        kwargs.setdefault("usage_context", "server")
         return cls(LLMEngine(EngineConfig.from_kwargs(model or DEFAULT_MODEL, **kwargs)),
                    log_stats_interval=log_stats_interval)
 

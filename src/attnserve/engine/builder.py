@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from attnserve.arch import ModelArch, load_hf_config, read_arch
 from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.registry import load_backend
 from attnserve.config import EngineConfig
+from attnserve.engine.batch_limits import BatchLimits, resolve_batch_limits
 from attnserve.engine.plan import EnginePlan, plan_engine
 from attnserve.engine.profile_run import profile_step
 from attnserve.engine.tensor_parallel import WorkerGroup, receive_config
@@ -38,6 +39,7 @@ from attnserve.runner.cache_allocation import (
     allocate_kv_cache,
     allocate_state_cache,
     determine_num_blocks,
+    device_budget_bytes,
 )
 from attnserve.runner.host_latents import (
     HostLatentPlan,
@@ -122,6 +124,8 @@ class EngineParts:
     kv_manager: KVCacheManager
     runner: ModelRunner
     plan: EnginePlan  # what the groups, backends and bytes above were taken from
+    config: EngineConfig  # the one given, its batch limits resolved (what the engine runs with)
+    batch_limits: BatchLimits  # those limits, each with why it has its value
     workers: WorkerGroup | None = None  # tensor parallel, rank 0: the ranks it started
 
 
@@ -213,6 +217,10 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     # each rank caches its own heads (tensor parallelism); the pool has as many blocks on every rank
     plan = plan_engine(arch, config, platform)
     max_len = plan.max_model_len
+    # every rank resolves the limits the same way (the same defaults; the caps agree by min_over_ranks)
+    limits = resolve_batch_limits(config.scheduler, device.type, _device_memory(device), config.usage_context,
+                                  max_len)
+    config = replace(config, scheduler=limits.apply(config.scheduler))
     if arch.max_position_embeddings and config.model.max_model_len and max_len > arch.derived_max_model_len:
         logger.warning("max_model_len %d exceeds the %d the model is configured for (max_position_embeddings, "
                        "RoPE scaling applied)", max_len, arch.derived_max_model_len)
@@ -221,13 +229,16 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     groups = list(plan.layout.groups)  # the paged groups; state layers get slots instead
     backend_names = plan.backend_names  # raises when a group has no backend, or needs several
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
-    host_latents = plan_host_latents(config, arch, plan.layout, max_len)  # None unless kv_offload_sparse_latents
+    host_latents = plan_host_latents(config, arch, plan.layout, max_len,
+                                     config.scheduler.max_num_seqs)  # None unless kv_offload_sparse_latents
     backends = wrap_backends(host_latents, groups, backends, device)
 
     model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[plan.dtype])
     if parallel is not None:  # every rank loaded the whole checkpoint: keep this rank's shard
         shard_model(model, parallel)
-    num_blocks, state_pool = _size_cache(plan, config, model, backends, device, parallel, host_latents)
+    num_blocks, state_pool, limits = _size_cache(plan, config, limits, model, backends, device, parallel,
+                                                 host_latents)
+    config = replace(config, scheduler=limits.apply(config.scheduler))
     kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching, state_pool)
     one_seq = kv.num_blocks_for_tokens(max_len)
     if one_seq > num_blocks - 1:
@@ -256,15 +267,25 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                          broadcaster=workers.broadcaster if workers is not None else None)
     return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
                        dtype=plan.dtype, platform=platform, groups=groups, backend_names=backend_names,
-                       num_blocks=num_blocks, kv_manager=kv, runner=runner, plan=plan, workers=workers)
+                       num_blocks=num_blocks, kv_manager=kv, runner=runner, plan=plan, config=config,
+                       batch_limits=limits, workers=workers)
 
 
-def _size_cache(plan: EnginePlan, config: EngineConfig, model: torch.nn.Module, backends: list[AttentionBackend],
-                device: torch.device, parallel: ParallelState | None, host_latents: HostLatentPlan | None
-                ) -> tuple[int, StatePool | None]:
-    """The block pool's size (the null block included) and the state slots, once the weights are
-    in memory, from what is left."""
+def _device_memory(device: torch.device) -> int | None:
+    """A CUDA device's total memory in bytes; None for the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def _size_cache(plan: EnginePlan, config: EngineConfig, limits: BatchLimits, model: torch.nn.Module,
+                backends: list[AttentionBackend], device: torch.device, parallel: ParallelState | None,
+                host_latents: HostLatentPlan | None) -> tuple[int, StatePool | None, BatchLimits]:
+    """The block pool's size (the null block included), the state slots and the batch limits
+    capped by them (defaults only), once the weights are in memory, from what is left."""
     max_len = plan.max_model_len
+    limits = _cap_by_state(plan, config, limits, device, parallel)
+    config = replace(config, scheduler=limits.apply(config.scheduler))
     per_block = plan.bytes_per_block if host_latents is None else host_latents.device_bytes_per_block
     needed = (config.scheduler.max_num_seqs * plan.layout.blocks_for(max_len) + 1) * per_block
     state_pool, state_bytes = None, 0
@@ -287,7 +308,26 @@ def _size_cache(plan: EnginePlan, config: EngineConfig, model: torch.nn.Module, 
         num_blocks = min_over_ranks(num_blocks)
     if host_latents is not None:
         num_blocks = host_latents.host_blocks(num_blocks, plan.layout.blocks_for(max_len), device)
-    return num_blocks, state_pool
+    return num_blocks, state_pool, limits.cap_by_blocks(num_blocks - 1)
+
+
+def _cap_by_state(plan: EnginePlan, config: EngineConfig, limits: BatchLimits, device: torch.device,
+                  parallel: ParallelState | None) -> BatchLimits:
+    """A default max_num_seqs capped so that a hybrid model's state slots leave half the GPU's
+    budget to the KV blocks (CPU: its default of 128 is left as it is)."""
+    cache = config.cache
+    if not plan.state_groups or device.type != "cuda" or cache.num_gpu_blocks_override is not None:
+        return limits
+    per_seq = plan.state_bytes_per_sequence
+    fixed = 0 if cache.num_state_snapshots is None or not cache.enable_prefix_caching \
+        else cache.num_state_snapshots * per_seq
+    snapshots_per_seq = int(cache.num_state_snapshots is None and cache.enable_prefix_caching)
+    capped = limits.cap_by_state(device_budget_bytes(cache, device) - fixed, per_seq, snapshots_per_seq)
+    if parallel is not None:  # every rank the same
+        capped = limits.capped(min_over_ranks(capped.max_num_seqs), "the smallest of the ranks' caps")
+    if capped is not limits:
+        logger.info("max_num_seqs: %s", capped.seqs_reason)
+    return capped
 
 
 def _build_model(arch: ModelArch, model_dir: Path, config: EngineConfig, device: torch.device,

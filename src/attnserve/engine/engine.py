@@ -49,8 +49,8 @@ class PromptError(ValueError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, parts: EngineParts | None = None):
-        self.config = config
         self.parts = parts or build_engine_parts(config)
+        self.config = self.parts.config  # ``config`` with its batch limits resolved
         self.arch = self.parts.arch
         self.tokenizer = self.parts.tokenizer
         self.max_model_len = self.parts.max_model_len
@@ -65,7 +65,7 @@ class LLMEngine:
         recompute = None
         if rope is not None and rope.rope_type == "longrope" and rope.original_max_position_embeddings:
             recompute = rope.original_max_position_embeddings + 1
-        self.scheduler = Scheduler(config.scheduler, self.parts.kv_manager, self.max_model_len, recompute,
+        self.scheduler = Scheduler(self.config.scheduler, self.parts.kv_manager, self.max_model_len, recompute,
                                    offload=self.parts.runner.offload)
         self.runner = self.parts.runner
         self.workers = self.parts.workers  # tensor parallel (rank 0): the ranks it started
@@ -140,8 +140,7 @@ class LLMEngine:
             line += f"; {kv.state_pool.num_slots} state slots"
         lines.append(line)
         sched = cfg.scheduler
-        lines.append(f"batch: max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens "
-                     f"{sched.max_num_batched_tokens}, chunked prefill {_on(sched.enable_chunked_prefill)}, "
+        lines.append(f"batch: {parts.batch_limits.describe()}, chunked prefill {_on(sched.enable_chunked_prefill)}, "
                      f"prefix caching {_on(cfg.cache.enable_prefix_caching)}, async scheduling "
                      f"{_on(self.async_scheduling)}, CUDA graphs {_on(self.runner.graphs is not None)}")
         return lines

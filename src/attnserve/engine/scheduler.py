@@ -47,6 +47,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  rope_recompute_len: int | None = None, offload: OffloadManager | None = None):
+        if config.max_num_seqs is None or config.max_num_batched_tokens is None:
+            raise ValueError("the scheduler runs with resolved batch limits (engine/batch_limits.py), "
+                             f"got max_num_seqs={config.max_num_seqs}, "
+                             f"max_num_batched_tokens={config.max_num_batched_tokens}")
         self.config = config
         self.kv = kv
         self.offload = offload

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from attnserve.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
+from attnserve.config import CacheConfig, ModelConfig, OffloadConfig
 
 __all__ = ["HelpFormatter", "add_engine_args", "engine_kwargs"]
 
@@ -29,6 +29,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _default(config: type, name: str) -> object:
     return next(f.default for f in fields(config) if f.name == name)
+
+
+def _defaults_text(i: int) -> str:
+    """The platform defaults of one batch limit (0: max_num_seqs, 1: max_num_batched_tokens),
+    as ``engine/batch_limits.BATCH_DEFAULTS`` holds them: "offline/server" per device class."""
+    from attnserve.engine.batch_limits import BATCH_DEFAULTS, LARGE_GPU_GIB
+
+    label = {"gpu-large": f"GPU >= {LARGE_GPU_GIB} GiB", "gpu": "smaller GPU", "cpu": "CPU"}
+    return "; ".join(f"{label[c]} {BATCH_DEFAULTS[(c, 'llm')][i]}/{BATCH_DEFAULTS[(c, 'server')][i]}"
+                     for c in label) + " (offline/server); `attnserve inspect` and the start-up log show the choice"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,11 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the longest sequence, prompt and output together (default: the model "
                         "config's context length)")
     g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="the most requests in one batch (default: "
-                        f"{_default(SchedulerConfig, 'max_num_seqs')})")
+                   help=f"the most requests in one batch (default: by platform, {_defaults_text(0)})")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the most tokens one step computes; longer prompts are prefilled in chunks "
-                        f"(default: {_default(SchedulerConfig, 'max_num_batched_tokens')})")
+                        f"(default: by platform, {_defaults_text(1)})")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="the share of the GPU's memory the engine may use for weights, activations "
                         f"and KV cache (default: {_default(CacheConfig, 'gpu_memory_utilization')})")

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attnserve.arch import LayerKind, MLADims, ModelArch, load_hf_config, read_arch
-from attnserve.config import EngineConfig
+from attnserve.config import USAGE_CONTEXTS, EngineConfig, SchedulerConfig
+from attnserve.engine.batch_limits import LARGE_GPU_GIB, BatchLimits, resolve_batch_limits
 from attnserve.engine.plan import EnginePlan, plan_engine
 from attnserve.platforms import Platform
 from attnserve.presets import resolve_config_path
@@ -88,6 +89,9 @@ class InspectReport:
     # (indexer keys) and what goes to host memory (latent rows); None for other models
     host_latent_bytes_per_token: int | None = None
     device: DeviceFit | None = None  # --device-memory: the whole device's answer
+    # the batch limits' platform defaults, per usage context (and per GPU class when the GPU's
+    # memory is unknown), as the engine resolves them (engine/batch_limits.py)
+    batch_limits: list[tuple[str, BatchLimits]] = field(default_factory=list)
 
     def tokens_in(self, kv_bytes: int) -> int:
         """Tokens whose KV fits in ``kv_bytes`` (sliding layers at their full rate, no state)."""
@@ -154,6 +158,10 @@ class InspectReport:
                 for r in self.rows
             ],
             "offloadable": sorted({r.kind for r in self.rows}),
+            "batch_limits": [{"usage_context": usage, "max_num_seqs": b.max_num_seqs,
+                              "max_num_batched_tokens": b.max_num_batched_tokens,
+                              "max_num_seqs_reason": b.seqs_reason, "max_num_batched_tokens_reason": b.tokens_reason}
+                             for usage, b in self.batch_limits],
             "notes": self.notes,
         }
         if self.memory_bytes is not None:
@@ -262,6 +270,10 @@ class InspectReport:
             why = "; ".join(f"{n}: {', '.join(rs)}" for n, rs in r.passed_over)
             lines.append(f"  {r.kind}: {r.backend}" + (f"  (passed over {why})" if why else
                                                           "  (first choice on this platform)"))
+        if self.batch_limits:
+            lines += ["", "Batch limits (--max-num-seqs, --max-num-batched-tokens override them; the engine caps a "
+                          "default max_num_seqs by its state slots and KV blocks, and logs it):"]
+            lines += [f"  {b.describe()}" for _, b in self.batch_limits]
         lines += ["", "Offload (what the offload tier can hold):"]
         for r in self.rows:
             lines.append(f"  {r.kind}: {r.offload}")
@@ -393,7 +405,25 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
         memory_bytes=int(memory_gib * GIB) if memory_gib is not None else None, notes=notes,
         tensor_parallel_size=plan.tensor_parallel_size,
         host_latent_bytes_per_token=plan.host_latent_bytes_per_token,
-        device=_device_fit(arch, plan, device_memory_gib, gpu_memory_utilization, notes))
+        device=_device_fit(arch, plan, device_memory_gib, gpu_memory_utilization, notes),
+        batch_limits=_batch_limits(platform, device_memory_gib, plan.max_model_len))
+
+
+def _batch_limits(platform: Platform, device_memory_gib: float | None, max_model_len: int
+                  ) -> list[tuple[str, BatchLimits]]:
+    """The defaults for each usage context on ``platform``: for a GPU of ``device_memory_gib``,
+    else of this machine's GPU, else for both GPU classes."""
+    memories: list[int | None] = [None]
+    if platform.device_type == "cuda":
+        if device_memory_gib is not None:
+            memories = [int(device_memory_gib * GIB)]
+        else:
+            import torch
+
+            here = torch.cuda.is_available() and (platform.name == "rocm") == bool(getattr(torch.version, "hip", None))
+            memories = [torch.cuda.get_device_properties(0).total_memory] if here else [LARGE_GPU_GIB * GIB, None]
+    return [(usage, resolve_batch_limits(SchedulerConfig(), platform.device_type, memory, usage, max_model_len))
+            for memory in memories for usage in USAGE_CONTEXTS]
 
 
 def _device_fit(arch: ModelArch, plan: EnginePlan, memory_gib: float | None, utilization: float,

@@ -41,7 +41,7 @@ class LLM:
             from attnserve.presets import DEFAULT_MODEL
 
             model = DEFAULT_MODEL
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, usage_context="llm", **kwargs))
         self.last_stats: GenerateStats | None = None
 
     def get_tokenizer(self):

@@ -28,7 +28,8 @@ from attnserve.kvcache.spec import (
 )
 from attnserve.kvcache.state import StateCache
 
-__all__ = ["allocate_kv_cache", "allocate_state_cache", "determine_num_blocks", "host_available_bytes",
+__all__ = ["allocate_kv_cache", "allocate_state_cache", "determine_num_blocks", "device_budget_bytes",
+           "host_available_bytes",
            "torch_cache_dtype"]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,20 @@ def host_available_bytes() -> int:
     return 8 * GIB
 
 
+def device_budget_bytes(cache: CacheConfig, device: torch.device, activation_bytes: int | None = None) -> int:
+    """The bytes the KV cache and state slots may take: ``kv_cache_memory``, or (CUDA)
+    ``gpu_memory_utilization`` of the device less what is in use and less the activations
+    (``activation_bytes`` as profiled, else a fixed guess). Not for CPU without
+    ``kv_cache_memory`` (its default budget depends on what the batch limits need)."""
+    if cache.kv_cache_memory is not None:
+        return int(cache.kv_cache_memory * GIB)
+    if device.type != "cuda":
+        raise ValueError("a CPU KV budget without kv_cache_memory follows the batch limits: see determine_num_blocks")
+    free, total = torch.cuda.mem_get_info(device)
+    activations = _UNPROFILED_ACTIVATIONS if activation_bytes is None else activation_bytes
+    return int(total * cache.gpu_memory_utilization) - (total - free) - activations
+
+
 def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torch.device,
                          needed_bytes: int, reserved_bytes: int = 0, per_block: int | None = None,
                          activation_bytes: int | None = None) -> int:
@@ -70,13 +85,11 @@ def determine_num_blocks(layout: KVCacheLayout, cache: CacheConfig, device: torc
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     per_block = layout.bytes_per_block if per_block is None else per_block
-    if cache.kv_cache_memory is not None:
-        budget = int(cache.kv_cache_memory * GIB)
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        activations = _UNPROFILED_ACTIVATIONS if activation_bytes is None else activation_bytes
-        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activations
-        if budget < per_block + reserved_bytes:
+    if cache.kv_cache_memory is not None or device.type == "cuda":
+        budget = device_budget_bytes(cache, device, activation_bytes)
+        if cache.kv_cache_memory is None and budget < per_block + reserved_bytes:
+            free, total = torch.cuda.mem_get_info(device)
+            activations = _UNPROFILED_ACTIVATIONS if activation_bytes is None else activation_bytes
             raise ValueError(
                 f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total / GIB:.1f} GiB leaves no room for "
                 f"the KV cache: {(total - free) / GIB:.2f} GiB are in use (weights, CUDA context, other "

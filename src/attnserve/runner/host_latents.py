@@ -95,8 +95,9 @@ def check_host_latents(config: EngineConfig, arch: ModelArch) -> None:
 
 
 def plan_host_latents(config: EngineConfig, arch: ModelArch, layout: KVCacheLayout,
-                      max_model_len: int) -> HostLatentPlan | None:
-    """Which entries go to host memory and what a block costs on each side; None when off."""
+                      max_model_len: int, max_num_seqs: int) -> HostLatentPlan | None:
+    """Which entries go to host memory and what a block costs on each side; None when off.
+    ``max_num_seqs``: the resolved batch limit (the staging holds rows for that many decodes)."""
     if not config.offload.kv_offload_sparse_latents:
         return None
     check_host_latents(config, arch)
@@ -106,7 +107,7 @@ def plan_host_latents(config: EngineConfig, arch: ModelArch, layout: KVCacheLayo
     topk = max(s.indexer.topk for s in arch.layers if s.indexer is not None)
     row = max(e.spec.bytes_per_token for e in entries)
     # one layer's staging: K rows for each decode, one whole sequence, the null page
-    pages = config.scheduler.max_num_seqs * math.ceil(topk / block) + math.ceil(max_model_len / block) + 1
+    pages = max_num_seqs * math.ceil(topk / block) + math.ceil(max_model_len / block) + 1
     return HostLatentPlan(
         entries=frozenset((e.layer, e.name) for e in entries),
         groups=frozenset(g.group_id for g in layout.groups if any(e in entries for e in g.entries)),

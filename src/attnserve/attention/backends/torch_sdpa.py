@@ -50,7 +50,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dist: torch.Tensor
     slopes = layer.alibi_slopes
     if layer.sinks is None and layer.softcap is None:
         if slopes is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
+            return _sdpa_shared_mask(q, k, v, mask, layer.scale)
         bias = -slopes.view(1, -1, 1, 1) * dist[:, None].to(slopes.dtype)  # [B, H, Q, S]
         bias = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=layer.scale, enable_gqa=True)
@@ -69,6 +69,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dist: torch.Tensor
     else:
         probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vf).to(q.dtype)
+
+
+def _sdpa_shared_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """SDPA with a mask every head shares ([B, 1, Q, S]). Under GQA the query heads of one KV
+    head are folded into the query length ([B, Hkv, G * Q, D]: the same keys, values and mask
+    rows, so the result is the same): CPU SDPA with ``enable_gqa`` takes a slower path (bf16
+    decode at batch 64: 10.5 against 3.1 ms)."""
+    b, h, nq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if h == hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    g = h // hkv
+    qf = q.reshape(b, hkv, g * nq, d)  # query head kvh * g + i reads KV head kvh
+    mf = mask.unsqueeze(2).expand(b, 1, g, nq, s).reshape(b, 1, g * nq, s)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf, scale=scale)  # [B, Hkv, G * Q, Dv]
+    return out.reshape(b, h, nq, out.shape[-1])
 
 
 class TorchSDPABackend(AttentionBackend):
