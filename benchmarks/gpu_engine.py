@@ -129,7 +129,7 @@ def throughput_attnserve(reqs, async_scheduling: bool | None = None, max_num_seq
             "batch_limits": batch_limits}
 
 
-def throughput_hf_continuous(reqs, budget_s: float = 300.0) -> dict:
+def throughput_hf_continuous(reqs, budget_s: float = 200.0) -> dict:
     """transformers' continuous batching (``ContinuousBatchingManager``, what ``generate_batch``
     runs) on the same workload, each request with its own ``max_new_tokens``, EOS disabled, SDPA
     attention. Stopped after ``budget_s``: the rate then counts finished requests only."""
