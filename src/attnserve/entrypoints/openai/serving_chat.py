@@ -25,6 +25,11 @@ from attnserve.detokenizer import decode_token
 from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import truncate_prompt_ids
 from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.prompt_logprobs import (
+    ChatChunkWithPromptLogprobs,
+    check_prompt_logprobs,
+    render_prompt_logprobs,
+)
 from attnserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -79,6 +84,7 @@ class OpenAIServingChat:
         arrival = time.perf_counter()
         req.check_supported()
         check_logprobs(req.top_logprobs, self.engine.max_logprobs, "top_logprobs")
+        prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, self.engine.vocab_size, self.engine.max_logprobs)
         self.limits.check(req.n)
         # rendering and tokenising are the client's work: off the event loop
         ids = await asyncio.to_thread(self._prompt_ids, req)
@@ -87,7 +93,8 @@ class OpenAIServingChat:
             len(ids), req.requested_max_tokens, self.engine.max_model_len, prompt_param="messages"
         )
         # the model's generation_config.json defaults for the fields the request leaves out
-        params = self.engine.generation_config.apply(req.to_sampling_params(max_tokens), req.model_fields_set)
+        params = self.engine.generation_config.apply(req.to_sampling_params(max_tokens, prompt_logprobs),
+                                                    req.model_fields_set)
         params = check_for_model(params, self.engine.vocab_size, self.engine.max_logprobs)
         await compile_constraint(self.engine, req, params)
         rid = random_id("chatcmpl")
@@ -113,9 +120,8 @@ class OpenAIServingChat:
             )
             for c in final.outputs
         ]
-        return ChatCompletionResponse(
-            id=rid, model=self.model_name, choices=choices, usage=_usage(final)
-        )
+        return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=_usage(final),
+                                      prompt_logprobs=render_prompt_logprobs(final.prompt_logprobs))
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The conversation's prompt token ids, rendered and checked as for a chat request
@@ -203,7 +209,10 @@ class OpenAIServingChat:
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None, prompt_logprobs=None) -> str:
+            if prompt_logprobs is not None:
+                return sse(ChatChunkWithPromptLogprobs(id=rid, created=created, model=self.model_name,
+                                                       choices=choices, prompt_logprobs=prompt_logprobs))
             return sse(
                 ChatCompletionChunk(
                     id=rid, created=created, model=self.model_name, choices=choices, usage=usage
@@ -214,6 +223,7 @@ class OpenAIServingChat:
         hold = stop_holdback(req.stop)
         tool_mode, _ = req.tool_call_mode()
         final = None
+        prompt_logprobs_sent = False  # they go with the first chunk that carries generated tokens
         try:
             yield chunk(
                 [
@@ -245,7 +255,9 @@ class OpenAIServingChat:
                                 )
                             )
                     if choices:
-                        yield chunk(choices)
+                        entries = None if prompt_logprobs_sent else render_prompt_logprobs(final.prompt_logprobs)
+                        prompt_logprobs_sent = True
+                        yield chunk(choices, prompt_logprobs=entries)
             if req.include_usage and final is not None:
                 yield chunk([], _usage(final))
         except Exception as e:  # noqa: BLE001 - the stream has started: report inside it
