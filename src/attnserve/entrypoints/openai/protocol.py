@@ -417,12 +417,12 @@ class ChatCompletionRequest(_SamplingFields):
                               prompt_logprobs=prompt_logprobs)
 
     def tool_call_mode(self) -> tuple[str | None, dict[str, Any] | None]:
-        """("required", None), ("named", that function), or (None, None) when the output is text.
+        """("required", None), ("named", that function), ("auto", None), or (None, None) when
+        the output is text.
 
         A named function or "required" forces output that matches the tools' parameter schemas
-        (structured output); "auto" needs a tool-call parser for the model's own format, which
-        this server does not have, so it is refused (as vLLM refuses it without
-        ``--enable-auto-tool-choice``)."""
+        (structured output); "auto" leaves the output free and needs the server's tool-call
+        parser for the model's own format (``serving_chat.py`` refuses it without one)."""
         choice = self.tool_choice
         functions = _functions(self.tools or [])
         if choice is None:
@@ -434,9 +434,7 @@ class ChatCompletionRequest(_SamplingFields):
         if choice == "required":
             return "required", None
         if choice == "auto":
-            raise OpenAIError('tool_choice "auto" needs a tool-call parser for this model\'s format, '
-                              'which this server does not have; use "required", a named function or '
-                              '"none"', param="tool_choice")
+            return "auto", None
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
             raise OpenAIError('tool_choice must be "none", "auto", "required" or '

@@ -6,10 +6,13 @@ assistant role, then send text deltas, then each choice's finish reason.
 
 Tool calls: with ``tool_choice`` "required" or a named function the output is forced, through
 structured output, to match the tools' parameter schemas, and comes back as ``tool_calls``
-(a stream sends them whole with the choice's last chunk). "auto" is refused: it needs a parser
-for each model's own tool-call format.
+(a stream sends them whole with the choice's last chunk). "auto" (the default with tools) is
+served when the server has a tool-call parser (``--enable-auto-tool-choice --tool-call-parser``):
+the output is free, the parser finds the calls in the model's own format, and the choice ends
+with finish reason "tool_calls" when it found any; a stream sends the text before the calls as
+it comes and each call as it completes. Without a parser "auto" is a 400 naming the flags.
 
-Not here: tool-call parsers for "auto", images, reasoning parsers; the HTTP layer
+Not here: the parsers (``tool_parsers.py``), images, reasoning parsers; the HTTP layer
 (``api_server.py``).
 """
 
@@ -59,6 +62,7 @@ from attnserve.entrypoints.openai.serving_completion import (
     raise_if_failed,
     stop_holdback,
 )
+from attnserve.entrypoints.openai.tool_parsers import HermesToolParser, ToolCallStream
 from attnserve.outputs import Logprob, RequestOutput
 
 __all__ = ["OpenAIServingChat"]
@@ -66,12 +70,14 @@ __all__ = ["OpenAIServingChat"]
 
 class OpenAIServingChat:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits | None = None, chat_template: str | None = None):
+                 limits: ServerLimits | None = None, chat_template: str | None = None,
+                 tool_parser: HermesToolParser | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits or ServerLimits()
         self.chat_template = chat_template  # --chat-template: instead of the model's own
+        self.tool_parser = tool_parser  # --enable-auto-tool-choice --tool-call-parser: "auto" served
 
     async def create(
         self, req: ChatCompletionRequest
@@ -83,6 +89,10 @@ class OpenAIServingChat:
         """
         arrival = time.perf_counter()
         req.check_supported()
+        if req.tool_call_mode()[0] == "auto" and self.tool_parser is None:
+            raise OpenAIError('tool_choice "auto" (the default with tools) needs the server started with '
+                              '--enable-auto-tool-choice and --tool-call-parser (the model\'s tool-call format, '
+                              'e.g. hermes); or send "required", a named function or "none"', param="tool_choice")
         check_logprobs(req.top_logprobs, self.engine.max_logprobs, "top_logprobs")
         prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, self.engine.vocab_size, self.engine.max_logprobs)
         self.limits.check(req.n)
@@ -110,16 +120,15 @@ class OpenAIServingChat:
                 final = out
         if final is None or not final.finished:
             raise OpenAIError("the request was aborted", status=500)
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=_message(req, c.text),
-                logprobs=self._logprobs(req, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            message = _message(req, c.text, self.tool_parser)
+            auto_called = req.tool_call_mode()[0] == "auto" and bool(message.tool_calls)
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=self._logprobs(req, c.token_ids, c.logprobs),
+                                      # vLLM's: a reply whose calls the parser found ends in them
+                                      finish_reason="tool_calls" if auto_called else c.finish_reason,
+                                      stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=_usage(final),
                                       prompt_logprobs=render_prompt_logprobs(final.prompt_logprobs))
 
@@ -222,6 +231,7 @@ class OpenAIServingChat:
         progress = [StreamProgress() for _ in range(req.n)]
         hold = stop_holdback(req.stop)
         tool_mode, _ = req.tool_call_mode()
+        parsing = [ToolCallStream(self.tool_parser) for _ in range(req.n)] if tool_mode == "auto" else None
         final = None
         prompt_logprobs_sent = False  # they go with the first chunk that carries generated tokens
         try:
@@ -239,10 +249,16 @@ class OpenAIServingChat:
                         p = progress[c.index]
                         if p.done:
                             continue
-                        if tool_mode is not None and not c.finished:
-                            continue  # tool calls go out whole, with the choice's last chunk
+                        if tool_mode in ("named", "required") and not c.finished:
+                            continue  # forced tool calls go out whole, with the choice's last chunk
                         text, t0, t1 = p.advance(c, hold)
-                        delta = DeltaMessage(content=text) if tool_mode is None else _tool_delta(req, c.text)
+                        finish_reason = c.finish_reason
+                        if parsing is not None:  # "auto": the parser splits content from calls
+                            delta = _parsed_delta(parsing[c.index], text, c.finished)
+                            if c.finished and parsing[c.index].num_calls:
+                                finish_reason = "tool_calls"
+                        else:
+                            delta = DeltaMessage(content=text) if tool_mode is None else _tool_delta(req, c.text)
                         if text or t1 > t0 or c.finished:
                             choices.append(
                                 ChatStreamChoice(
@@ -251,7 +267,7 @@ class OpenAIServingChat:
                                     logprobs=self._logprobs(
                                         req, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1]
                                     ),
-                                    finish_reason=c.finish_reason,
+                                    finish_reason=finish_reason,
                                 )
                             )
                     if choices:
@@ -266,10 +282,14 @@ class OpenAIServingChat:
         yield sse("[DONE]")
 
 
-def _message(req: ChatCompletionRequest, text: str) -> ResponseMessage:
+def _message(req: ChatCompletionRequest, text: str, parser: HermesToolParser | None = None) -> ResponseMessage:
     """The assistant's message: its text, or the tool calls its forced JSON holds (the text
-    itself when generation stopped before the JSON was complete)."""
+    itself when generation stopped before the JSON was complete), or with "auto" the calls
+    ``parser`` finds in it and the text before them."""
     mode, function = req.tool_call_mode()
+    if mode == "auto" and parser is not None:
+        parsed = parser.extract(text)
+        return ResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls)
     if mode == "named":
         try:
             json.loads(text)
@@ -292,6 +312,15 @@ def _tool_delta(req: ChatCompletionRequest, text: str) -> DeltaMessage:
     message = _message(req, text)
     calls = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls)]
     return DeltaMessage(content=message.content, tool_calls=calls or None)
+
+
+def _parsed_delta(parsing: ToolCallStream, text: str, finished: bool) -> DeltaMessage:
+    """New text of an "auto" choice as a delta: the content the parser lets out, and each call
+    it completed (whole: id, type, name and arguments)."""
+    first = parsing.num_calls
+    content, calls = parsing.step(text, finished)
+    deltas = [DeltaToolCall(index=first + i, **call.model_dump()) for i, call in enumerate(calls)]
+    return DeltaMessage(content=content if content or not deltas else None, tool_calls=deltas or None)
 
 
 def _usage(out: RequestOutput) -> UsageInfo:
