@@ -13,7 +13,11 @@ import openai
 import pytest
 
 from attnserve.entrypoints.cli import main
-from attnserve.entrypoints.openai.tool_parsers import HermesToolParser, ToolCallStream, get_tool_parser
+from attnserve.entrypoints.openai.tool_parsers import (
+    HermesToolParser,
+    ToolCallStream,
+    get_tool_parser,
+)
 from tests.server.conftest import API_KEY, ENGINE_KWARGS, MODEL_NAME, ServerThread
 
 P = HermesToolParser()
