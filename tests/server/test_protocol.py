@@ -142,7 +142,6 @@ def test_chat_unsupported_parameters():
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     for extra, param in (
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto"
         ({"tool_choice": "required"}, "tool_choice"),  # without tools
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -151,6 +150,9 @@ def test_chat_unsupported_parameters():
         with pytest.raises(OpenAIError) as info:
             ChatCompletionRequest.model_validate({**base, **extra}).check_supported()
         assert info.value.param == param
+    # "auto" (the default with tools) is the serving layer's to refuse or parse
+    auto = ChatCompletionRequest.model_validate({**base, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert auto.tool_call_mode() == ("auto", None) and auto.output_constraint() == (None, None)
 
 
 def test_check_context():

@@ -76,7 +76,7 @@ COMPLETION_CASES = [  # (body, status, param)
     # unknown fields are ignored (tests/server/test_vllm_compat.py), but not those whose neglect
     # would change the result
     ({"model": MODEL_NAME, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
-    ({"model": MODEL_NAME, "prompt": "x", "prompt_logprobs": 2}, 400, "prompt_logprobs"),
+    ({"model": MODEL_NAME, "prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),  # > max_logprobs
     ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"5000": 10}}, 400, "logit_bias"),  # > vocab
     ({"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": [1, 4096]}, 400, "allowed_token_ids"),
     ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "[a-"}, 400, "guided_regex"),

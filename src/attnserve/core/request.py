@@ -57,6 +57,9 @@ class Request:
     # prompt logprobs are computed once even if the request is preempted and recomputed
     num_prompt_logprobs_done: int = 0
     first_token_time: float | None = None
+    # time.monotonic() when the scheduler first gave it a step (vLLM's scheduled_ts); a
+    # preempted request keeps it
+    first_scheduled_time: float | None = None
     cacheable: bool = True  # False: never served from or stored in the prefix cache
     # bad_words as token sequences: the last token of each is banned where the output ends
     # with the others (``layers/sampler.bad_words_bans``)

@@ -41,6 +41,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,8 +64,9 @@ class RequestState:
 
     def add_token(self, c: CompletionState, token_logprobs: TokenLogprobs | None) -> str | None:
         """Account for a new token of completion ``c``; returns a stop string it completed."""
+        self.last_token_time = now = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = now
         token = c.request.output_token_ids[-1]
         if token_logprobs is not None:
             c.logprobs = c.logprobs or []
@@ -107,9 +109,17 @@ class RequestState:
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                 for c in self.completions]
         first = self.completions[0].request
+        # vLLM's RequestStateStats, on time.monotonic(): arrival, first scheduled (of any of the
+        # n completions), first and last token; ServerMetrics turns them into the phase histograms
         metrics = {"arrival_time": self.arrival_time}
+        scheduled = [c.request.first_scheduled_time for c in self.completions
+                     if c.request.first_scheduled_time is not None]
+        if scheduled:
+            metrics["scheduled_time"] = min(scheduled)
         if self.first_token_time is not None:
             metrics["time_to_first_token"] = self.first_token_time - self.arrival_time
+            metrics["first_token_time"] = self.first_token_time
+            metrics["last_token_time"] = self.last_token_time
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              prompt_logprobs=self.prompt_logprobs, outputs=outs, finished=self.finished,
                              num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)

@@ -19,6 +19,7 @@ overlap (``_save_state``).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -183,6 +184,8 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         """The step's entry for ``req``; its tokens count as computed from now on."""
+        if req.first_scheduled_time is None:  # the end of its queue time (metrics)
+            req.first_scheduled_time = time.monotonic()
         rid = req.request_id
         start = req.num_computed_tokens
         samples = start + num_new >= req.num_known_tokens

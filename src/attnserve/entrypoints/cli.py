@@ -178,6 +178,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a chat template (a file, or the Jinja template itself) used instead of the "
                         "model's own (default: the model's)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default when a request has tools): the model '
+                        "writes its calls in its own format and --tool-call-parser finds them (default: "
+                        '"auto" is refused; "required" and named functions are served either way)')
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call format, for --enable-auto-tool-choice: hermes "
+                        "(<tool_call>{...}</tool_call>: Hermes 2 Pro/3, Qwen2.5, Qwen3) (default: none)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="the HTTP server's log level (attnserve's own: $ATTNSERVE_LOG_LEVEL)")
@@ -193,6 +200,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     from attnserve.entrypoints.openai.protocol import ServerLimits
     from attnserve.presets import DEFAULT_MODEL
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("attnserve serve: --enable-auto-tool-choice needs --tool-call-parser NAME "
+                         "(the model's tool-call format, e.g. hermes)")
     run_server(args.model or DEFAULT_MODEL, engine_kwargs(args), host=args.host, port=args.port,
                api_key=args.api_key or env.api_key(), served_model_name=args.served_model_name,
                log_level=args.uvicorn_log_level,
@@ -200,7 +210,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                                    args.trust_request_chat_template, args.max_chat_template_bytes,
                                    args.chat_template_timeout, args.max_chat_template_output_chars),
                log_stats_interval=None if args.disable_log_stats else env.log_stats_interval(),
-               chat_template=args.chat_template)
+               chat_template=args.chat_template,
+               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return 0
 
 

@@ -51,6 +51,7 @@ from attnserve.entrypoints.openai.protocol import (
 )
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from attnserve.entrypoints.openai.tool_parsers import get_tool_parser
 
 __all__ = ["build_app", "run_server"]
 
@@ -202,6 +203,7 @@ def build_app(
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running (or startable) engine; its lifespan stops the engine.
 
@@ -211,11 +213,14 @@ def build_app(
         api_key: when given, every route but ``/health`` requires it as a bearer token.
         limits: body size, ``n``, prompts per request, request-sent chat templates.
         chat_template: a template's source, used instead of the model's own (``--chat-template``).
+        tool_call_parser: the parser of the model's tool calls (``tool_parsers.TOOL_PARSERS``)
+            that serves ``tool_choice`` "auto"; None refuses "auto" (``--enable-auto-tool-choice``).
     """
     limits = limits or ServerLimits()
     metrics = ServerMetrics(served_model_name, engine.stats, engine.max_model_len, engine.cache_info)
     completion = OpenAIServingCompletion(engine, served_model_name, metrics, limits)
-    chat = OpenAIServingChat(engine, served_model_name, metrics, limits, chat_template)
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    chat = OpenAIServingChat(engine, served_model_name, metrics, limits, chat_template, parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -313,16 +318,20 @@ def run_server(
     limits: ServerLimits | None = None,
     log_stats_interval: float | None = None,
     chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``).
 
     ``log_stats_interval``: seconds between throughput lines in the log (None: none);
-    ``chat_template``: a template, or the path of a file holding one (``--chat-template``)."""
+    ``chat_template``: a template, or the path of a file holding one (``--chat-template``);
+    ``tool_call_parser``: serves ``tool_choice`` "auto" (``--enable-auto-tool-choice``)."""
     import uvicorn
 
     from attnserve.tokenizer import load_chat_template
 
     template = load_chat_template(chat_template)  # a bad path fails before the model loads
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)  # an unknown name, too
     engine = AsyncLLMEngine.from_kwargs(model, log_stats_interval=log_stats_interval, **engine_kwargs)
-    app = build_app(engine, served_model_name or model, api_key, limits, template)
+    app = build_app(engine, served_model_name or model, api_key, limits, template, tool_call_parser)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

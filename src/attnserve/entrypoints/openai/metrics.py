@@ -3,7 +3,9 @@
 Request-level figures are measured where the client sees them, on the server's event loop:
 ``ServerMetrics.track`` wraps a request's output stream and records time to first token,
 inter-token latency, time per output token, end-to-end latency, prompt and generation tokens,
-and how the request ended. Engine-level figures (running and waiting requests, KV cache usage,
+and how the request ended. The phases of a finished request (queue, prefill, decode, inference
+time) come from the engine's own timestamps in ``RequestOutput.metrics``: arrival, first
+scheduled (set by the scheduler), first and last token. Engine-level figures (running and waiting requests, KV cache usage,
 prefix-cache and offload hits, preemptions) are read from the engine thread's latest
 ``EngineStats`` snapshot when the page is scraped (``_EngineCollector``).
 
@@ -94,6 +96,19 @@ class ServerMetrics:
                               buckets=_TOKEN_LATENCY_BUCKETS).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              m, registry=reg, buckets=_REQUEST_LATENCY_BUCKETS).labels(model_name)
+        # the phases of a request, from the engine's timestamps (RequestOutput.metrics), as vLLM
+        # has them: queue = arrival -> first scheduled, prefill = first scheduled -> first token,
+        # decode = first -> last token, inference = first scheduled -> last token
+        self.phases = {
+            phase: Histogram(f"vllm:request_{phase}_time_seconds", help_text, m, registry=reg,
+                             buckets=_REQUEST_LATENCY_BUCKETS).labels(model_name)
+            for phase, help_text in (
+                ("queue", "Histogram of time spent in WAITING phase for request."),
+                ("prefill", "Histogram of time spent in PREFILL phase for request."),
+                ("decode", "Histogram of time spent in DECODE phase for request."),
+                ("inference", "Histogram of time spent in RUNNING phase for request."),
+            )
+        }
         buckets = token_buckets(max_model_len)
         self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                                m, registry=reg, buckets=buckets).labels(model_name)
@@ -146,10 +161,25 @@ class ServerMetrics:
                         self.request_generation_tokens.observe(num)
                         if num > 1:
                             self.tpot.observe((now - first) / (num - 1))
+                        self._observe_phases(out.metrics)
                     yield out
         finally:
             if not finished:
                 self.request_success.labels(self.model_name, "abort").inc()
+
+
+    def _observe_phases(self, times: dict[str, float]) -> None:
+        """The phase histograms of a finished request, from the engine's timestamps (none for
+        a request that never got a token)."""
+        try:
+            arrival, scheduled = times["arrival_time"], times["scheduled_time"]
+            first, last = times["first_token_time"], times["last_token_time"]
+        except KeyError:
+            return
+        self.phases["queue"].observe(scheduled - arrival)
+        self.phases["prefill"].observe(first - scheduled)
+        self.phases["decode"].observe(last - first)
+        self.phases["inference"].observe(last - scheduled)
 
 
 class _EngineCollector:

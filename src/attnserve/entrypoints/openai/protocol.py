@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
 from attnserve.engine.engine import PromptError, check_params_for_model
 from attnserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -156,7 +156,6 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "use_beam_search": (False,),
     "echo": (False,),  # in chat (vLLM's extension); the completions endpoint implements it
-    "prompt_logprobs": (None,),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
     "spaces_between_special_tokens": (True,),
@@ -240,6 +239,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None  # -1: the whole vocabulary (prompt_logprobs.py checks it)
     # structured output: OpenAI's response_format, vLLM's structured_outputs, and the guided_*
     # fields vLLM had before it (one of them per request)
     response_format: dict[str, Any] | None = None
@@ -350,9 +350,12 @@ class CompletionRequest(_SamplingFields):
             return [p]
         return list(p)
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        logprobs_for_prompt = self.logprobs if self.echo else None
-        return self._sampling(max_tokens, self.logprobs, prompt_logprobs=logprobs_for_prompt)
+    def to_sampling_params(self, max_tokens: int, prompt_logprobs: int | None = None) -> SamplingParams:
+        """``prompt_logprobs``: the request's, checked (``check_prompt_logprobs``); echo without
+        it asks for ``logprobs`` of the prompt, as in vLLM."""
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._sampling(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class TextPart(_Strict):
@@ -409,16 +412,17 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
         )
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+    def to_sampling_params(self, max_tokens: int, prompt_logprobs: int | None = None) -> SamplingParams:
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                              prompt_logprobs=prompt_logprobs)
 
     def tool_call_mode(self) -> tuple[str | None, dict[str, Any] | None]:
-        """("required", None), ("named", that function), or (None, None) when the output is text.
+        """("required", None), ("named", that function), ("auto", None), or (None, None) when
+        the output is text.
 
         A named function or "required" forces output that matches the tools' parameter schemas
-        (structured output); "auto" needs a tool-call parser for the model's own format, which
-        this server does not have, so it is refused (as vLLM refuses it without
-        ``--enable-auto-tool-choice``)."""
+        (structured output); "auto" leaves the output free and needs the server's tool-call
+        parser for the model's own format (``serving_chat.py`` refuses it without one)."""
         choice = self.tool_choice
         functions = _functions(self.tools or [])
         if choice is None:
@@ -430,9 +434,7 @@ class ChatCompletionRequest(_SamplingFields):
         if choice == "required":
             return "required", None
         if choice == "auto":
-            raise OpenAIError('tool_choice "auto" needs a tool-call parser for this model\'s format, '
-                              'which this server does not have; use "required", a named function or '
-                              '"none"', param="tool_choice")
+            return "auto", None
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
             raise OpenAIError('tool_choice must be "none", "auto", "required" or '
@@ -615,7 +617,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[SerializeAsAny[CompletionChoice]]  # with prompt_logprobs (prompt_logprobs.py)
     usage: UsageInfo | None = None
 
 
@@ -665,6 +667,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's (prompt_logprobs.py)
 
 
 class DeltaToolCall(ToolCall):

@@ -6,10 +6,13 @@ assistant role, then send text deltas, then each choice's finish reason.
 
 Tool calls: with ``tool_choice`` "required" or a named function the output is forced, through
 structured output, to match the tools' parameter schemas, and comes back as ``tool_calls``
-(a stream sends them whole with the choice's last chunk). "auto" is refused: it needs a parser
-for each model's own tool-call format.
+(a stream sends them whole with the choice's last chunk). "auto" (the default with tools) is
+served when the server has a tool-call parser (``--enable-auto-tool-choice --tool-call-parser``):
+the output is free, the parser finds the calls in the model's own format, and the choice ends
+with finish reason "tool_calls" when it found any; a stream sends the text before the calls as
+it comes and each call as it completes. Without a parser "auto" is a 400 naming the flags.
 
-Not here: tool-call parsers for "auto", images, reasoning parsers; the HTTP layer
+Not here: the parsers (``tool_parsers.py``), images, reasoning parsers; the HTTP layer
 (``api_server.py``).
 """
 
@@ -25,6 +28,11 @@ from attnserve.detokenizer import decode_token
 from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import truncate_prompt_ids
 from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.prompt_logprobs import (
+    ChatChunkWithPromptLogprobs,
+    check_prompt_logprobs,
+    render_prompt_logprobs,
+)
 from attnserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -54,6 +62,7 @@ from attnserve.entrypoints.openai.serving_completion import (
     raise_if_failed,
     stop_holdback,
 )
+from attnserve.entrypoints.openai.tool_parsers import HermesToolParser, ToolCallStream
 from attnserve.outputs import Logprob, RequestOutput
 
 __all__ = ["OpenAIServingChat"]
@@ -61,12 +70,14 @@ __all__ = ["OpenAIServingChat"]
 
 class OpenAIServingChat:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits | None = None, chat_template: str | None = None):
+                 limits: ServerLimits | None = None, chat_template: str | None = None,
+                 tool_parser: HermesToolParser | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits or ServerLimits()
         self.chat_template = chat_template  # --chat-template: instead of the model's own
+        self.tool_parser = tool_parser  # --enable-auto-tool-choice --tool-call-parser: "auto" served
 
     async def create(
         self, req: ChatCompletionRequest
@@ -78,7 +89,12 @@ class OpenAIServingChat:
         """
         arrival = time.perf_counter()
         req.check_supported()
+        if req.tool_call_mode()[0] == "auto" and self.tool_parser is None:
+            raise OpenAIError('tool_choice "auto" (the default with tools) needs the server started with '
+                              '--enable-auto-tool-choice and --tool-call-parser (the model\'s tool-call format, '
+                              'e.g. hermes); or send "required", a named function or "none"', param="tool_choice")
         check_logprobs(req.top_logprobs, self.engine.max_logprobs, "top_logprobs")
+        prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, self.engine.vocab_size, self.engine.max_logprobs)
         self.limits.check(req.n)
         # rendering and tokenising are the client's work: off the event loop
         ids = await asyncio.to_thread(self._prompt_ids, req)
@@ -87,7 +103,8 @@ class OpenAIServingChat:
             len(ids), req.requested_max_tokens, self.engine.max_model_len, prompt_param="messages"
         )
         # the model's generation_config.json defaults for the fields the request leaves out
-        params = self.engine.generation_config.apply(req.to_sampling_params(max_tokens), req.model_fields_set)
+        params = self.engine.generation_config.apply(req.to_sampling_params(max_tokens, prompt_logprobs),
+                                                    req.model_fields_set)
         params = check_for_model(params, self.engine.vocab_size, self.engine.max_logprobs)
         await compile_constraint(self.engine, req, params)
         rid = random_id("chatcmpl")
@@ -103,19 +120,17 @@ class OpenAIServingChat:
                 final = out
         if final is None or not final.finished:
             raise OpenAIError("the request was aborted", status=500)
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=_message(req, c.text),
-                logprobs=self._logprobs(req, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in final.outputs
-        ]
-        return ChatCompletionResponse(
-            id=rid, model=self.model_name, choices=choices, usage=_usage(final)
-        )
+        choices = []
+        for c in final.outputs:
+            message = _message(req, c.text, self.tool_parser)
+            auto_called = req.tool_call_mode()[0] == "auto" and bool(message.tool_calls)
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=self._logprobs(req, c.token_ids, c.logprobs),
+                                      # vLLM's: a reply whose calls the parser found ends in them
+                                      finish_reason="tool_calls" if auto_called else c.finish_reason,
+                                      stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=_usage(final),
+                                      prompt_logprobs=render_prompt_logprobs(final.prompt_logprobs))
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The conversation's prompt token ids, rendered and checked as for a chat request
@@ -203,7 +218,10 @@ class OpenAIServingChat:
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None, prompt_logprobs=None) -> str:
+            if prompt_logprobs is not None:
+                return sse(ChatChunkWithPromptLogprobs(id=rid, created=created, model=self.model_name,
+                                                       choices=choices, prompt_logprobs=prompt_logprobs))
             return sse(
                 ChatCompletionChunk(
                     id=rid, created=created, model=self.model_name, choices=choices, usage=usage
@@ -213,7 +231,9 @@ class OpenAIServingChat:
         progress = [StreamProgress() for _ in range(req.n)]
         hold = stop_holdback(req.stop)
         tool_mode, _ = req.tool_call_mode()
+        parsing = [ToolCallStream(self.tool_parser) for _ in range(req.n)] if tool_mode == "auto" else None
         final = None
+        prompt_logprobs_sent = False  # they go with the first chunk that carries generated tokens
         try:
             yield chunk(
                 [
@@ -229,10 +249,16 @@ class OpenAIServingChat:
                         p = progress[c.index]
                         if p.done:
                             continue
-                        if tool_mode is not None and not c.finished:
-                            continue  # tool calls go out whole, with the choice's last chunk
+                        if tool_mode in ("named", "required") and not c.finished:
+                            continue  # forced tool calls go out whole, with the choice's last chunk
                         text, t0, t1 = p.advance(c, hold)
-                        delta = DeltaMessage(content=text) if tool_mode is None else _tool_delta(req, c.text)
+                        finish_reason = c.finish_reason
+                        if parsing is not None:  # "auto": the parser splits content from calls
+                            delta = _parsed_delta(parsing[c.index], text, c.finished)
+                            if c.finished and parsing[c.index].num_calls:
+                                finish_reason = "tool_calls"
+                        else:
+                            delta = DeltaMessage(content=text) if tool_mode is None else _tool_delta(req, c.text)
                         if text or t1 > t0 or c.finished:
                             choices.append(
                                 ChatStreamChoice(
@@ -241,11 +267,13 @@ class OpenAIServingChat:
                                     logprobs=self._logprobs(
                                         req, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1]
                                     ),
-                                    finish_reason=c.finish_reason,
+                                    finish_reason=finish_reason,
                                 )
                             )
                     if choices:
-                        yield chunk(choices)
+                        entries = None if prompt_logprobs_sent else render_prompt_logprobs(final.prompt_logprobs)
+                        prompt_logprobs_sent = True
+                        yield chunk(choices, prompt_logprobs=entries)
             if req.include_usage and final is not None:
                 yield chunk([], _usage(final))
         except Exception as e:  # noqa: BLE001 - the stream has started: report inside it
@@ -254,10 +282,14 @@ class OpenAIServingChat:
         yield sse("[DONE]")
 
 
-def _message(req: ChatCompletionRequest, text: str) -> ResponseMessage:
+def _message(req: ChatCompletionRequest, text: str, parser: HermesToolParser | None = None) -> ResponseMessage:
     """The assistant's message: its text, or the tool calls its forced JSON holds (the text
-    itself when generation stopped before the JSON was complete)."""
+    itself when generation stopped before the JSON was complete), or with "auto" the calls
+    ``parser`` finds in it and the text before them."""
     mode, function = req.tool_call_mode()
+    if mode == "auto" and parser is not None:
+        parsed = parser.extract(text)
+        return ResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls)
     if mode == "named":
         try:
             json.loads(text)
@@ -280,6 +312,15 @@ def _tool_delta(req: ChatCompletionRequest, text: str) -> DeltaMessage:
     message = _message(req, text)
     calls = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls)]
     return DeltaMessage(content=message.content, tool_calls=calls or None)
+
+
+def _parsed_delta(parsing: ToolCallStream, text: str, finished: bool) -> DeltaMessage:
+    """New text of an "auto" choice as a delta: the content the parser lets out, and each call
+    it completed (whole: id, type, name and arguments)."""
+    first = parsing.num_calls
+    content, calls = parsing.step(text, finished)
+    deltas = [DeltaToolCall(index=first + i, **call.model_dump()) for i, call in enumerate(calls)]
+    return DeltaMessage(content=content if content or not deltas else None, tool_calls=deltas or None)
 
 
 def _usage(out: RequestOutput) -> UsageInfo:

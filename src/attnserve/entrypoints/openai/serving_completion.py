@@ -23,6 +23,11 @@ from attnserve.detokenizer import decode_token
 from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import PromptError, truncate_prompt_ids
 from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.prompt_logprobs import (
+    CompletionChoiceWithPromptLogprobs,
+    check_prompt_logprobs,
+    render_prompt_logprobs,
+)
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionChoice,
@@ -163,6 +168,7 @@ class OpenAIServingCompletion:
         arrival = time.perf_counter()
         req.check_supported()
         check_logprobs(req.logprobs, self.engine.max_logprobs, "logprobs")
+        prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, self.engine.vocab_size, self.engine.max_logprobs)
         texts = req.prompts()
         self.limits.check(req.n, len(texts))
         # tokenising is the client's work: off the event loop, which serves every other client
@@ -174,7 +180,7 @@ class OpenAIServingCompletion:
             check_for_model(
                 defaults.apply(
                     req.to_sampling_params(
-                        check_context(len(ids), req.max_tokens, self.engine.max_model_len)
+                        check_context(len(ids), req.max_tokens, self.engine.max_model_len), prompt_logprobs
                     ),
                     req.model_fields_set,
                 ),
@@ -202,7 +208,7 @@ class OpenAIServingCompletion:
             raise OpenAIError("the request was aborted", status=500)
         choices = [
             self._chunk_choice(
-                req, i * req.n + c.index, StreamProgress(prefix=text if req.echo else ""), c, out
+                req, i * req.n + c.index, StreamProgress(prefix=text if req.echo else ""), c, out, whole=True
             )
             for i, ((text, _), out) in enumerate(zip(prompts, finals))
             for c in out.outputs
@@ -292,7 +298,8 @@ class OpenAIServingCompletion:
                         choice = self._chunk_choice(req, k, progress[k], c, out)
                         if choice is not None:
                             choices.append(choice)
-                    if choices and req.logprobs is None:
+                    if choices and req.logprobs is None and not any(
+                            isinstance(c, CompletionChoiceWithPromptLogprobs) for c in choices):
                         yield completion_chunk_sse(head, choices)
                     elif choices:
                         yield sse(
@@ -322,10 +329,12 @@ class OpenAIServingCompletion:
         p: StreamProgress,
         c: CompletionOutput,
         out: RequestOutput,
+        whole: bool = False,
     ) -> CompletionChoice | None:
         """What completion ``c`` adds since ``p``; None when nothing (or it already ended).
 
-        With a fresh ``p`` and a finished ``c`` this is the whole choice."""
+        With a fresh ``p`` and a finished ``c`` this is the whole choice (``whole``: it always
+        has the field ``prompt_logprobs``, null when not asked for, as vLLM's has)."""
         if p.done:
             return None
         first = p.num_tokens == 0
@@ -339,13 +348,14 @@ class OpenAIServingCompletion:
             if req.echo and first:
                 self._add_logprobs(logprobs, p, out.prompt_token_ids, out.prompt_logprobs or [])
             self._add_logprobs(logprobs, p, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1])
-        return CompletionChoice(
-            index=index,
-            text=prefix + text,
-            logprobs=logprobs,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-        )
+        fields = dict(index=index, text=prefix + text, logprobs=logprobs, finish_reason=c.finish_reason,
+                      stop_reason=c.stop_reason)
+        if first and (whole or out.prompt_logprobs is not None):
+            # vLLM's: on the choice, whenever computed (asked for, or echo with logprobs); a
+            # stream sends them once, with the choice's first chunk
+            return CompletionChoiceWithPromptLogprobs(**fields, prompt_logprobs=render_prompt_logprobs(
+                out.prompt_logprobs))
+        return CompletionChoice(**fields)
 
 
 def _usage(finals: Sequence[RequestOutput | None]) -> UsageInfo:
