@@ -20,8 +20,9 @@ BOUNDS = TemplateBounds(max_output_chars=1 << 20, timeout_s=0.3)
 MSGS = [{"role": "user", "content": "hello"}]
 
 PROBES = {  # template: what the error names
+    # writes as it loops: whichever bound it meets first stops it (the output cap on a fast machine)
     "nested loops": ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
-                     "longer than 0.3 s"),
+                     ("longer than 0.3 s", "rendered template is longer")),
     "silent nested loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
                             "longer than 0.3 s"),
     "string repetition": ("{{ 'x' * 10**10 }}", "larger than the bound"),
@@ -53,7 +54,7 @@ def test_runaway_templates_stop(tok, name):
     start = time.perf_counter()
     with pytest.raises(ValueError, match="chat template") as err:
         tok.apply_chat_template(MSGS, chat_template=template, bounds=BOUNDS)
-    assert says in str(err.value)
+    assert any(s in str(err.value) for s in ((says,) if isinstance(says, str) else says)), str(err.value)
     assert time.perf_counter() - start < BOUNDS.timeout_s + 0.5, name
 
 
