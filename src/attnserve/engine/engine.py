@@ -13,15 +13,17 @@ sampling needs its latest tokens on the host (penalties, ``min_tokens``, prompt 
 still being computed, a grammar, bad words of several tokens).
 
 Structured output: a request with ``structured_outputs`` gets a matcher per completion
-(``engine/structured_output.py``); before each step the engine fills the bitmask of those
-that sample in it (``SchedulerOutput.grammar_bitmask``), and after it advances each matcher
-by the appended token. A matcher that refuses a token finishes its request with "error";
-one that reaches the end of its grammar (its stop token taken) finishes it with "stop".
+(``engine/structured_output.py``). Each step the forward is launched first and the bitmask of
+the constrained requests that sample in it is filled while the device computes, as vLLM does
+(``ModelRunner.launch`` calls ``_grammar_bitmask`` between the forward and the sampling);
+after the step each matcher advances by the appended token. A matcher that refuses a token
+finishes its request with "error"; one that reaches the end of its grammar (its stop token
+taken) finishes it with "stop". Such a request needs its latest token on the host before its
+next mask, so with async scheduling a step that runs one reads the step before back first.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from typing import Any
@@ -292,11 +294,11 @@ class LLMEngine:
         With async scheduling the outputs are those of the forward launched by the call before,
         read back while this call's forward runs."""
         if not self.async_scheduling:
-            sched_out = self._with_bitmask(self.scheduler.schedule())
+            sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
                 return []
             try:
-                run_out = self.runner.execute(sched_out)
+                run_out = self.runner.execute(sched_out, self._grammar_bitmask)
             except Exception as exc:  # noqa: BLE001 - contained: see _step_failed
                 return self._step_failed([sched_out], exc)
             return self._process(sched_out, run_out, final_only)
@@ -305,11 +307,11 @@ class LLMEngine:
             outputs = self._finish_pending(final_only)  # this step's sampling needs those tokens
             if not self.async_scheduling:  # its read-back failed: recovery goes step by step
                 return outputs
-        sched_out = self._with_bitmask(self.scheduler.schedule())
+        sched_out = self.scheduler.schedule()
         handle = None
         if not sched_out.is_empty:
             try:
-                handle = self.runner.launch(sched_out)
+                handle = self.runner.launch(sched_out, self._grammar_bitmask)
             except Exception as exc:  # noqa: BLE001 - contained: see _step_failed
                 failed = [sched_out] + ([self._pending[0]] if self._pending is not None else [])
                 self._pending = None
@@ -326,17 +328,18 @@ class LLMEngine:
                 self._finish_pending(final_only)
         return outputs
 
-    def _with_bitmask(self, sched_out: SchedulerOutput) -> SchedulerOutput:
-        """``sched_out`` with the grammar bitmask of each constrained request that samples in it
-        (their matchers are current: such a request needs its tokens back before a step)."""
+    def _grammar_bitmask(self, sched_out: SchedulerOutput) -> GrammarBitmask | None:
+        """The bitmask of each constrained request that samples in ``sched_out`` (their matchers
+        are current: such a request needs its tokens back before a step), or None. The runner
+        calls it once the step's forward is queued: on CUDA the host fills it while the device
+        computes the forward; on CPU the forward has run by then and the fill follows it."""
         if not self._constrained:
-            return sched_out
+            return None
         reqs = [s.request for s in sched_out.scheduled if s.samples and s.request.grammar is not None]
         if not reqs:
-            return sched_out
+            return None
         bitmask = self.structured.fill_bitmask([r.grammar for r in reqs])
-        return dataclasses.replace(
-            sched_out, grammar_bitmask=GrammarBitmask(tuple(r.request_id for r in reqs), bitmask))
+        return GrammarBitmask(tuple(r.request_id for r in reqs), bitmask)
 
     def _advance_grammar(self, req: Request) -> None:
         """Feed the request's new output token to its matcher; finish it on a refused token
