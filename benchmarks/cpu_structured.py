@@ -1,15 +1,18 @@
 """Structured output's cost per token: tokens/s with and without a JSON schema on the demo model.
 
-The shipped demo model (``attnserve-demo-gqa``, vocabulary 4,096) generates ``--new-tokens``
-per request at each batch size, seeded sampling, EOS ignored, once unconstrained and once with
-a JSON schema whose output cannot end early (an array of at least ten objects, so requests
-run to ``--new-tokens``). Reported per run: tokens/s, ms per step, and the grammar's own host time per
-generated token (filling the next-token bitmask before a step, advancing the matcher after
-it), each the fastest of ``--repeats`` alternating runs. Then the bitmask's application in the
-sampler alone (unpack and mask) at this vocabulary and at a 151,936-token one, per step.
+The shipped demo model (``attnserve-demo-gqa``, vocabulary 4,096; ``--model`` for another)
+generates ``--new-tokens`` per request at each batch size, seeded sampling, EOS ignored, once
+unconstrained and twice with a JSON schema whose output cannot end early (an array of at
+least ten objects, so requests run to ``--new-tokens``): with the bitmask filled after the
+step's forward is launched (the engine's order: on CUDA the fill runs while the device
+computes) and, for comparison, filled before the launch (the order before, the device idle
+meanwhile). Reported per run: tokens/s, ms per step, the fill's host time per step and the
+grammar's whole host time per generated token (the fill, and advancing the matcher after the
+step), each the fastest of ``--repeats`` alternating runs. Then the bitmask's application in
+the sampler alone (unpack and mask) at this vocabulary and at a 151,936-token one, per step.
 
     python benchmarks/cpu_structured.py [--batches 1 8] [--new-tokens 64] [--repeats 3] [--device cpu]
-                                        [--json out.json]
+                                        [--model DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -39,10 +42,25 @@ def _timed(obj, name: str, totals: dict[str, float]):
     setattr(obj, name, wrapper)
 
 
-def run(llm, batch: int, new_tokens: int, structured: bool) -> dict:
+MODES = ("none", "after launch", "before launch")  # no schema; the bitmask's fill after or before the launch
+
+
+def _fill_first(runner):
+    """The order before: the bitmask is filled, then the step's forward is launched."""
+    real = runner.launch
+
+    def launch(output, grammar_bitmask=None):
+        mask = grammar_bitmask(output) if grammar_bitmask is not None else None
+        return real(output, lambda _: mask)
+
+    runner.launch = launch
+
+
+def run(llm, batch: int, new_tokens: int, mode: str) -> dict:
     from attnserve import SamplingParams
     from attnserve.sampling_params import StructuredOutputsParams
 
+    structured = mode != "none"
     so = StructuredOutputsParams(json=SCHEMA) if structured else None
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=new_tokens, ignore_eos=True,
                              structured_outputs=so) for i in range(batch)]
@@ -52,11 +70,15 @@ def run(llm, batch: int, new_tokens: int, structured: bool) -> dict:
     totals: dict[str, float] = {}
     _timed(engine.structured, "fill_bitmask", totals)
     _timed(engine, "_advance_grammar", totals)
+    if mode == "before launch":
+        _fill_first(engine.runner)
     steps = engine.scheduler.stats.steps
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     del engine.structured.fill_bitmask, engine._advance_grammar  # back to the class's methods
+    if mode == "before launch":
+        del engine.runner.launch
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = engine.scheduler.stats.steps - steps
     grammar = totals.get("fill_bitmask", 0.0) + totals.get("_advance_grammar", 0.0)
@@ -64,8 +86,9 @@ def run(llm, batch: int, new_tokens: int, structured: bool) -> dict:
         for o in outs:  # what ended in time is valid JSON
             if o.outputs[0].finish_reason == "stop":
                 json.loads(o.outputs[0].text)
-    return {"batch": batch, "structured": structured, "tokens": tokens, "steps": steps,
+    return {"batch": batch, "mode": mode, "tokens": tokens, "steps": steps,
             "tok_per_s": tokens / elapsed, "ms_per_step": 1e3 * elapsed / steps,
+            "fill_ms_per_step": 1e3 * totals.get("fill_bitmask", 0.0) / steps,
             "grammar_ms_per_token": 1e3 * grammar / tokens}
 
 
@@ -102,25 +125,28 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="a model directory or hub id (default: the demo model)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from attnserve import LLM
 
-    llm = LLM(device=args.device, max_model_len=512, max_num_seqs=max(args.batches))
+    llm = LLM(args.model, device=args.device, max_model_len=512, max_num_seqs=max(args.batches))
+    vocab = llm.llm_engine.arch.vocab_size
     rows = []
     for b in args.batches:  # the fastest of --repeats runs, alternating, against a noisy machine
-        runs = [run(llm, b, args.new_tokens, s) for _ in range(args.repeats) for s in (False, True)]
-        rows += [max((r for r in runs if r["structured"] == s), key=lambda r: r["tok_per_s"])
-                 for s in (False, True)]
-    print(f"demo model on {args.device}, {args.new_tokens} new tokens per request, torch threads "
-          f"{torch.get_num_threads()}")
-    print("| batch | JSON schema | tokens | steps | tok/s | ms/step | grammar host ms/token |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        runs = [run(llm, b, args.new_tokens, m) for _ in range(args.repeats) for m in MODES]
+        rows += [max((r for r in runs if r["mode"] == m), key=lambda r: r["tok_per_s"]) for m in MODES]
+    print(f"{args.model or 'demo model'} (vocabulary {vocab}) on {args.device}, {args.new_tokens} new tokens "
+          f"per request, torch threads {torch.get_num_threads()}")
+    print("| batch | JSON schema: bitmask filled | tokens | steps | tok/s | ms/step | fill ms/step | "
+          "grammar host ms/token |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['batch']} | {'yes' if r['structured'] else 'no'} | {r['tokens']} | {r['steps']} | "
-              f"{r['tok_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['grammar_ms_per_token']:.3f} |")
+        print(f"| {r['batch']} | {'no schema' if r['mode'] == 'none' else r['mode']} | {r['tokens']} | "
+              f"{r['steps']} | {r['tok_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['fill_ms_per_step']:.3f} | "
+              f"{r['grammar_ms_per_token']:.3f} |")
     applies = [{"batch": b, "vocab": v, "ms": apply_cost(args.device, b, v)}
-               for b in args.batches for v in (4096, 151936)]
+               for b in args.batches for v in dict.fromkeys((vocab, 151936))]
     for a in applies:
         print(f"apply_token_bitmask, batch {a['batch']}, vocabulary {a['vocab']}: {a['ms']:.3f} ms per step")
     if args.json:
