@@ -1,20 +1,26 @@
 """Structured output's cost per token: tokens/s with and without a JSON schema on the demo model.
 
-The shipped demo model (``attnserve-demo-gqa``, vocabulary 4,096) generates ``--new-tokens``
-per request at each batch size, seeded sampling, EOS ignored, once unconstrained and once with
-a JSON schema whose output cannot end early (an array of at least ten objects, so requests
-run to ``--new-tokens``). Reported per run: tokens/s, ms per step, and the grammar's own host time per
-generated token (filling the next-token bitmask before a step, advancing the matcher after
-it), each the fastest of ``--repeats`` alternating runs. Then the bitmask's application in the
-sampler alone (unpack and mask) at this vocabulary and at a 151,936-token one, per step.
+The shipped demo model (``attnserve-demo-gqa``, vocabulary 4,096; ``--model`` for another)
+generates ``--new-tokens`` per request at each batch size, seeded sampling, EOS ignored, once
+unconstrained and twice with a JSON schema whose output cannot end early (an array of at
+least ten objects, so requests run to ``--new-tokens``): in the engine's order ("overlapped":
+the bitmask filled after the step's forward is launched, so on CUDA while the device
+computes; with async scheduling the forward launched before the step before is read back,
+only the sampling waiting for it) and, for comparison, in the order before ("old order": the
+bitmask filled before the launch; with async scheduling the step before read back before the
+next is scheduled). Reported per run: tokens/s, ms per step, the fill's host time per step and the
+grammar's whole host time per generated token (the fill, and advancing the matcher after the
+step), each the fastest of ``--repeats`` alternating runs. Then the bitmask's application in
+the sampler alone (unpack and mask) at this vocabulary and at a 151,936-token one, per step.
 
     python benchmarks/cpu_structured.py [--batches 1 8] [--new-tokens 64] [--repeats 3] [--device cpu]
-                                        [--json out.json]
+                                        [--model DIR] [--async-scheduling on|off] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -39,10 +45,36 @@ def _timed(obj, name: str, totals: dict[str, float]):
     setattr(obj, name, wrapper)
 
 
-def run(llm, batch: int, new_tokens: int, structured: bool) -> dict:
+MODES = ("none", "overlapped", "old order")  # no schema; with one: the engine's order, the order before
+
+
+@contextlib.contextmanager
+def _old_order(runner):
+    """The order before the overlap: the bitmask filled, then the step's forward launched; and
+    under async scheduling a step with a constrained request running read the step before back
+    before it was scheduled (its forward did not run ahead)."""
+    from attnserve.core.request import Request
+
+    real_launch, real_prop = runner.launch, Request.needs_host_tokens_to_launch
+
+    def launch(output, grammar_bitmask=None):
+        mask = grammar_bitmask(output) if grammar_bitmask is not None else None
+        return real_launch(output, lambda _: mask)
+
+    runner.launch = launch
+    Request.needs_host_tokens_to_launch = property(lambda r: real_prop.fget(r) or r.needs_host_tokens)
+    try:
+        yield
+    finally:
+        del runner.launch
+        Request.needs_host_tokens_to_launch = real_prop
+
+
+def run(llm, batch: int, new_tokens: int, mode: str) -> dict:
     from attnserve import SamplingParams
     from attnserve.sampling_params import StructuredOutputsParams
 
+    structured = mode != "none"
     so = StructuredOutputsParams(json=SCHEMA) if structured else None
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=new_tokens, ignore_eos=True,
                              structured_outputs=so) for i in range(batch)]
@@ -53,9 +85,10 @@ def run(llm, batch: int, new_tokens: int, structured: bool) -> dict:
     _timed(engine.structured, "fill_bitmask", totals)
     _timed(engine, "_advance_grammar", totals)
     steps = engine.scheduler.stats.steps
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    with _old_order(engine.runner) if mode == "old order" else contextlib.nullcontext():
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
     del engine.structured.fill_bitmask, engine._advance_grammar  # back to the class's methods
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = engine.scheduler.stats.steps - steps
@@ -64,8 +97,9 @@ def run(llm, batch: int, new_tokens: int, structured: bool) -> dict:
         for o in outs:  # what ended in time is valid JSON
             if o.outputs[0].finish_reason == "stop":
                 json.loads(o.outputs[0].text)
-    return {"batch": batch, "structured": structured, "tokens": tokens, "steps": steps,
+    return {"batch": batch, "mode": mode, "tokens": tokens, "steps": steps,
             "tok_per_s": tokens / elapsed, "ms_per_step": 1e3 * elapsed / steps,
+            "fill_ms_per_step": 1e3 * totals.get("fill_bitmask", 0.0) / steps,
             "grammar_ms_per_token": 1e3 * grammar / tokens}
 
 
@@ -102,30 +136,38 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="a model directory or hub id (default: the demo model)")
+    ap.add_argument("--async-scheduling", choices=["on", "off"], default=None,
+                    help="default: the engine's (on for CUDA, off for CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from attnserve import LLM
 
-    llm = LLM(device=args.device, max_model_len=512, max_num_seqs=max(args.batches))
+    wanted = None if args.async_scheduling is None else args.async_scheduling == "on"
+    llm = LLM(args.model, device=args.device, max_model_len=512, max_num_seqs=max(args.batches),
+              async_scheduling=wanted)
+    asynchronous = llm.llm_engine.async_scheduling
+    vocab = llm.llm_engine.arch.vocab_size
     rows = []
     for b in args.batches:  # the fastest of --repeats runs, alternating, against a noisy machine
-        runs = [run(llm, b, args.new_tokens, s) for _ in range(args.repeats) for s in (False, True)]
-        rows += [max((r for r in runs if r["structured"] == s), key=lambda r: r["tok_per_s"])
-                 for s in (False, True)]
-    print(f"demo model on {args.device}, {args.new_tokens} new tokens per request, torch threads "
-          f"{torch.get_num_threads()}")
-    print("| batch | JSON schema | tokens | steps | tok/s | ms/step | grammar host ms/token |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        runs = [run(llm, b, args.new_tokens, m) for _ in range(args.repeats) for m in MODES]
+        rows += [max((r for r in runs if r["mode"] == m), key=lambda r: r["tok_per_s"]) for m in MODES]
+    print(f"{args.model or 'demo model'} (vocabulary {vocab}) on {args.device}, {args.new_tokens} new tokens "
+          f"per request, async scheduling {'on' if asynchronous else 'off'}, torch threads {torch.get_num_threads()}")
+    print("| batch | JSON schema: order | tokens | steps | tok/s | ms/step | fill ms/step | "
+          "grammar host ms/token |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['batch']} | {'yes' if r['structured'] else 'no'} | {r['tokens']} | {r['steps']} | "
-              f"{r['tok_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['grammar_ms_per_token']:.3f} |")
+        print(f"| {r['batch']} | {'no schema' if r['mode'] == 'none' else r['mode']} | {r['tokens']} | "
+              f"{r['steps']} | {r['tok_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['fill_ms_per_step']:.3f} | "
+              f"{r['grammar_ms_per_token']:.3f} |")
     applies = [{"batch": b, "vocab": v, "ms": apply_cost(args.device, b, v)}
-               for b in args.batches for v in (4096, 151936)]
+               for b in args.batches for v in dict.fromkeys((vocab, 151936))]
     for a in applies:
         print(f"apply_token_bitmask, batch {a['batch']}, vocabulary {a['vocab']}: {a['ms']:.3f} ms per step")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": rows, "apply": applies, "device": args.device}, f, indent=1)
+            json.dump({"runs": rows, "apply": applies, "device": args.device, "async_scheduling": asynchronous}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -83,8 +83,8 @@ def inject(llm: LLM, method: str, when):
     if method == "collect":  # remember which step each handle belongs to
         real_launch = runner.launch
 
-        def launch(sched_out):
-            handle = real_launch(sched_out)
+        def launch(sched_out, *a, **kw):
+            handle = real_launch(sched_out, *a, **kw)
             wrapped.launched[id(handle)] = sched_out
             return handle
 

@@ -4,7 +4,7 @@ grammar or the option.
 
 JSON output parses and validates against its schema (``jsonschema``), regex output
 fullmatches, choice output is one of the choices; a grammar holds with n > 1, under
-preemption and with async scheduling (whose steps wait for a constrained request's last
+preemption and with async scheduling (whose sampling waits for a constrained request's last
 token); an unconstrained request in the same batch is untouched; a schema that does not
 compile is refused before anything is queued, and compiled once however often it comes.
 """
@@ -71,8 +71,9 @@ def test_json_regex_choice_hold_and_leave_other_rows_alone(llm):
 
 
 def test_n_preemption_and_async_scheduling():
-    """A small cache preempts (and recomputes) requests mid-grammar; async scheduling waits
-    for a constrained request's token before its next mask: every output stays valid."""
+    """A small cache preempts (and recomputes) requests mid-grammar; under async scheduling a
+    constrained decode runs ahead of its last token, its sampling waiting for that token and
+    the matcher's advance: every output stays valid."""
     llm = LLM(max_model_len=32, block_size=4, num_gpu_blocks_override=10, async_scheduling=True)
     engine = llm.llm_engine
     inflight = []
@@ -82,7 +83,7 @@ def test_n_preemption_and_async_scheduling():
                             structured_outputs=Structured(json=SMALL_SCHEMA, disable_any_whitespace=True))
     outs = llm.generate(["def f(x):", "import os"], params)
     assert engine.scheduler.stats.num_preemptions > 0
-    assert not inflight  # no constrained decode ran ahead of its last token
+    assert inflight  # constrained decodes ran ahead of their last token
     for c in (c for o in outs for c in o.outputs):
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), SMALL_SCHEMA)

@@ -104,12 +104,19 @@ class Request:
     def needs_host_tokens(self) -> bool:
         """Sampling reads this request's latest outputs on the host (penalties, a min_tokens ban
         that may still apply, a grammar's next mask, bad words of several tokens), so its next
-        step cannot be scheduled before they are back."""
+        step's sampling waits until they are back (its forward need not)."""
         p = self.sampling_params
         return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
                 or self.num_output_tokens < p.min_tokens or self.grammar is not None
-                or any(len(w) > 1 for w in self.bad_words_token_ids)
-                or (p.prompt_logprobs is not None and self.num_prompt_logprobs_done < self.num_prompt_tokens - 1))
+                or any(len(w) > 1 for w in self.bad_words_token_ids))
+
+    @property
+    def needs_host_tokens_to_launch(self) -> bool:
+        """A step's inputs read this request's progress on the host: prompt logprobs still being
+        computed (which positions need logits), so its next step is launched only once the
+        step before is back."""
+        p = self.sampling_params
+        return p.prompt_logprobs is not None and self.num_prompt_logprobs_done < self.num_prompt_tokens - 1
 
     @property
     def wants_prompt_logprobs(self) -> bool:

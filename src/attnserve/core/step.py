@@ -30,7 +30,8 @@ class ScheduledRequest:
 
 @dataclass(frozen=True, slots=True)
 class GrammarBitmask:
-    """Structured output: the tokens each constrained request that samples this step may take."""
+    """Structured output: the tokens each constrained request that samples this step may take.
+    The engine fills it after the step's forward is launched and hands it to ``ModelRunner.sample``."""
 
     request_ids: tuple[str, ...]
     bitmask: torch.Tensor  # [len(request_ids), ceil(V / 32)] int32, host; bit j of word i: token 32i + j
@@ -42,7 +43,6 @@ class SchedulerOutput:
     preempted: tuple[str, ...] = ()
     state_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) state slots, before the forward
     offload: tuple[StoreJob, list[LoadJob]] | None = None  # copies to and from the offload tier
-    grammar_bitmask: GrammarBitmask | None = None  # set by the engine when a request has a grammar
 
     @property
     def num_tokens(self) -> int:

@@ -8,20 +8,24 @@ touches model code and knows no server.
 With async scheduling (on by default on CUDA where the model allows it) a step schedules and
 launches the next forward before it reads back the one before, so the host's scheduling,
 input preparation and output processing run while the device computes: ``step`` returns the
-outputs of the previous forward. A step falls back to the plain order when a running request's
-sampling needs its latest tokens on the host (penalties, ``min_tokens``, prompt logprobs
-still being computed, a grammar, bad words of several tokens).
+outputs of the previous forward. Where a request's sampling needs its latest tokens on the
+host (penalties, ``min_tokens``, a grammar, bad words of several tokens) only the sampling
+waits, as in vLLM: the step's forward is launched, the previous one read back and processed
+(matchers advanced), then the bitmask filled and the step sampled. A running request whose
+prompt logprobs are still being computed has the step before read back before the launch.
 
 Structured output: a request with ``structured_outputs`` gets a matcher per completion
-(``engine/structured_output.py``); before each step the engine fills the bitmask of those
-that sample in it (``SchedulerOutput.grammar_bitmask``), and after it advances each matcher
-by the appended token. A matcher that refuses a token finishes its request with "error";
-one that reaches the end of its grammar (its stop token taken) finishes it with "stop".
+(``engine/structured_output.py``). Each step the forward is launched first and the bitmask of
+the constrained requests that sample in it is filled while the device computes, as vLLM does
+(``ModelRunner.launch`` calls ``_grammar_bitmask`` between the forward and the sampling);
+after the step each matcher advances by the appended token. A matcher that refuses a token
+finishes its request with "error"; one that reaches the end of its grammar (its stop token
+taken) finishes it with "stop". Such a request needs its latest token on the host before its
+next mask, so with async scheduling its step's sampling waits for the step before (above).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from typing import Any
@@ -292,24 +296,29 @@ class LLMEngine:
         With async scheduling the outputs are those of the forward launched by the call before,
         read back while this call's forward runs."""
         if not self.async_scheduling:
-            sched_out = self._with_bitmask(self.scheduler.schedule())
+            sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
                 return []
             try:
-                run_out = self.runner.execute(sched_out)
+                run_out = self.runner.execute(sched_out, self._grammar_bitmask)
             except Exception as exc:  # noqa: BLE001 - contained: see _step_failed
                 return self._step_failed([sched_out], exc)
             return self._process(sched_out, run_out, final_only)
         outputs = []
-        if self._pending is not None and any(r.needs_host_tokens for r in self.scheduler.running):
-            outputs = self._finish_pending(final_only)  # this step's sampling needs those tokens
+        if self._pending is not None and any(r.needs_host_tokens_to_launch for r in self.scheduler.running):
+            outputs = self._finish_pending(final_only)  # this step's inputs need those tokens
             if not self.async_scheduling:  # its read-back failed: recovery goes step by step
                 return outputs
-        sched_out = self._with_bitmask(self.scheduler.schedule())
+        sched_out = self.scheduler.schedule()
+        # a request whose sampling reads its latest tokens on the host: the forward goes now,
+        # the sampling once the step before is back (and its matchers advanced)
+        defer = self._pending is not None and any(s.samples and s.request.needs_host_tokens
+                                                  for s in sched_out.scheduled)
         handle = None
         if not sched_out.is_empty:
             try:
-                handle = self.runner.launch(sched_out)
+                handle = (self.runner.launch_forward(sched_out) if defer
+                          else self.runner.launch(sched_out, self._grammar_bitmask))
             except Exception as exc:  # noqa: BLE001 - contained: see _step_failed
                 failed = [sched_out] + ([self._pending[0]] if self._pending is not None else [])
                 self._pending = None
@@ -320,23 +329,32 @@ class LLMEngine:
                 # that read-back failed, and the step just launched ran on its tokens: rerun it
                 # too (its writes land before any later step's, in stream order)
                 return outputs + self._step_failed([sched_out], None)
+        if handle is not None and defer:
+            try:
+                self.runner.sample(handle, self._grammar_bitmask(sched_out))
+            except Exception as exc:  # noqa: BLE001 - contained: see _step_failed
+                return outputs + self._step_failed([sched_out], exc)
         if handle is not None:
             self._pending = (sched_out, handle)
             if not self.states:  # every request it ran has ended: nothing of it will be read
                 self._finish_pending(final_only)
         return outputs
 
-    def _with_bitmask(self, sched_out: SchedulerOutput) -> SchedulerOutput:
-        """``sched_out`` with the grammar bitmask of each constrained request that samples in it
-        (their matchers are current: such a request needs its tokens back before a step)."""
+    def _grammar_bitmask(self, sched_out: SchedulerOutput) -> GrammarBitmask | None:
+        """The bitmask of each constrained request that samples in ``sched_out``, or None. Called
+        once the step's forward is queued (by the runner, or with async scheduling by ``step``
+        after the step before is read back: the matchers are current): on CUDA the host fills
+        it while the device computes the forward; on CPU the forward has run by then."""
         if not self._constrained:
-            return sched_out
-        reqs = [s.request for s in sched_out.scheduled if s.samples and s.request.grammar is not None]
+            return None
+        # a request that finished on the step before's token (sampled after it was read back)
+        # gets no row: its token here is dropped
+        reqs = [s.request for s in sched_out.scheduled
+                if s.samples and s.request.grammar is not None and not s.request.is_finished]
         if not reqs:
-            return sched_out
+            return None
         bitmask = self.structured.fill_bitmask([r.grammar for r in reqs])
-        return dataclasses.replace(
-            sched_out, grammar_bitmask=GrammarBitmask(tuple(r.request_id for r in reqs), bitmask))
+        return GrammarBitmask(tuple(r.request_id for r in reqs), bitmask)
 
     def _advance_grammar(self, req: Request) -> None:
         """Feed the request's new output token to its matcher; finish it on a refused token

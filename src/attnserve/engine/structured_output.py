@@ -7,9 +7,10 @@ compiled again. Compiling is thread-safe: the server compiles on a worker thread
 submits a request, and the engine's own compile is then a cache hit.
 
 Each request (each of its ``n`` completions) gets a ``RequestGrammar``: a matcher advanced by
-exactly the tokens appended to its output. Before a step, ``fill_bitmask`` writes the next-token
-bitmask of every request that samples in it (int32 words, bit ``j`` of word ``i`` allowing
-token ``32 * i + j``), which the sampler applies to the logits. A preempted request keeps its
+exactly the tokens appended to its output. Each step, once its forward is launched,
+``fill_bitmask`` writes the next-token bitmask of every request that samples in it (int32
+words, bit ``j`` of word ``i`` allowing token ``32 * i + j``), which the sampler applies to the
+logits. xgrammar's fill releases the GIL. A preempted request keeps its
 output tokens and so its matcher state; a token dropped by a failed step was never accepted.
 
 Not here: applying the bitmask (``layers/sampler.py``), the request's life cycle

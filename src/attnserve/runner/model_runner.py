@@ -9,11 +9,17 @@ context, and samples from the logits of the rows that need a token.
 returns at once; ``collect`` waits for it and reads the tokens back. Between the two the engine
 may launch the next step (async scheduling): a decode whose input token was sampled by the
 step before and is not yet on the host reads it from that step's device tensor.
+
+``launch`` is ``launch_forward`` then ``sample``: the first queues the forward, the logits and
+any prompt logprobs, the second the sampling (with structured output's bitmask, which the
+engine fills on the host in between, while the device computes the forward) and the copies
+back. A CUDA graph covers the model's forward only, so sampling is the same in both.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,6 +52,9 @@ __all__ = ["ModelRunner", "StepBroadcast", "StepHandle"]
 logger = logging.getLogger(__name__)
 
 
+BitmaskFn = Callable[[SchedulerOutput], GrammarBitmask | None]
+
+
 class StepBroadcast(Protocol):
     """Tensor parallelism, rank 0: sends each step's inputs to the other ranks
     (``runner/worker.StepBroadcaster``), which then run the same forward."""
@@ -60,6 +69,8 @@ class StepHandle:
     waits for this step alone, not for a step launched after it on the same stream."""
 
     sample_reqs: list = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [N, V] on the device: launched, waiting for ``sample``
+    sampled_queued: bool = False  # ``sample`` ran: the copies back and ``event`` are queued
     sampled: torch.Tensor | None = None  # [N] int64, host
     logprobs: LogprobsTensors | None = None  # host
     prompt: list = field(default_factory=list)  # (request id, LogprobsTensors on the host) per prompt span
@@ -100,6 +111,7 @@ class ModelRunner:
         # the last launched step's sampled ids on the device, and each request's row in them
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        self._unsampled: StepHandle | None = None  # launched by launch_forward, not sampled yet
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             self._capture_graphs(backends, max_num_seqs, max_model_len)
@@ -131,6 +143,8 @@ class ModelRunner:
                 if start < len(tokens):
                     ids.append(tokens[start])
                 else:  # sampled by the step still running: read it on the device
+                    if self._unsampled is not None:  # its tokens are not in _last_sampled yet
+                        raise RuntimeError("a step reads the tokens of a step that was launched but not sampled")
                     inflight.append((len(ids), self._inflight_row(s.request.request_id)))
                     ids.append(0)
             else:
@@ -176,13 +190,28 @@ class ModelRunner:
         return to_device(torch.from_numpy(array), self.device)
 
     # --- the step ---------------------------------------------------------------------------
-    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, output: SchedulerOutput, grammar_bitmask: BitmaskFn | None = None) -> RunnerOutput:
         """Run one step and read its results back."""
-        return self.collect(self.launch(output))
+        return self.collect(self.launch(output, grammar_bitmask))
+
+    def launch(self, output: SchedulerOutput, grammar_bitmask: BitmaskFn | None = None) -> StepHandle:
+        """Queue one step's forward and sampling on the device; nothing is read back yet.
+
+        Args:
+            output: the scheduled step.
+            grammar_bitmask: structured output: called with ``output`` once the forward is
+                queued (the host fills the bitmask while the device computes), returns the
+                bitmask the sampling applies, or None when no row is constrained.
+        """
+        handle = self.launch_forward(output)
+        self.sample(handle, None if grammar_bitmask is None else grammar_bitmask(output))
+        return handle
 
     @torch.inference_mode()
-    def launch(self, output: SchedulerOutput) -> StepHandle:
-        """Queue one step's forward and sampling on the device; nothing is read back yet."""
+    def launch_forward(self, output: SchedulerOutput) -> StepHandle:
+        """Queue one step's forward, the logits of the rows that sample and any prompt
+        logprobs; on CUDA it returns while the device computes. ``sample`` must follow before
+        the next step is launched (that step may read this one's sampled tokens)."""
         # decodes first (those with history before one-token prompts): backends batch them
         scheduled = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start == 0))
         self._copy_states(output.state_copies)  # snapshot saves and restores first,
@@ -206,28 +235,52 @@ class ModelRunner:
             with forward_context(ctx):
                 hidden = self.model(input_ids, ctx.common.positions)
         handle = StepHandle(sample_reqs)
+        self._unsampled = handle
         if not rows:
             return handle
         index = rows if self.device.type == "cpu" else self._to_device(np.array(rows, dtype=np.int64))
         logits = self.model.compute_logits(hidden[index])  # [len(rows), V]
         if sample_reqs:
-            out = self._sample(logits[: len(sample_reqs)], sample_reqs, output.grammar_bitmask)
-            self._last_sampled = out.sampled_token_ids
-            self._last_rows = {r.request_id: j for j, r in enumerate(sample_reqs)}
-            handle.sampled = _to_host(out.sampled_token_ids)
-            handle.logprobs = None if out.logprobs is None else _lp_to_host(out.logprobs)
+            handle.logits = logits[: len(sample_reqs)]
         offset = len(sample_reqs)
         for s, first, last in prompt_spans:
             lp = self._prompt_logprobs(logits[offset: offset + last - first], s, first, last)
             handle.prompt.append((s.request.request_id, _lp_to_host(lp)))
             offset += last - first
+        return handle
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, grammar: GrammarBitmask | None = None) -> None:
+        """Queue the sampling of a step ``launch_forward`` queued, ``grammar``'s bitmask applied
+        (rows of requests that sample in it), and the copies of its results to the host.
+
+        Raises:
+            RuntimeError: the step was sampled already.
+            ValueError: ``grammar`` names a request that does not sample in this step, or its
+                bitmask does not have one row per request.
+        """
+        if handle.sampled_queued:
+            raise RuntimeError("this step was sampled already")
+        if grammar is not None:
+            _check_grammar(grammar, handle.sample_reqs)
+        if handle.logits is not None:
+            out = self._sample(handle.logits, handle.sample_reqs, grammar)
+            handle.logits = None
+            self._last_sampled = out.sampled_token_ids
+            self._last_rows = {r.request_id: j for j, r in enumerate(handle.sample_reqs)}
+            handle.sampled = _to_host(out.sampled_token_ids)
+            handle.logprobs = None if out.logprobs is None else _lp_to_host(out.logprobs)
+        handle.sampled_queued = True
+        if self._unsampled is handle:
+            self._unsampled = None
         if self.device.type == "cuda":
             handle.event = torch.cuda.Event()
             handle.event.record()
-        return handle
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and read its tokens and logprobs back to the host."""
+        if not handle.sampled_queued:
+            raise RuntimeError("collect: the step was launched but not sampled (call sample first)")
         result = RunnerOutput()
         if handle.event is not None:
             handle.event.synchronize()
@@ -288,6 +341,18 @@ class ModelRunner:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = to_device(torch.tensor(req.prompt_token_ids[first + 1: last + 1]), logprobs.device)
         return gather_logprobs(logprobs, targets, req.sampling_params.prompt_logprobs)
+
+
+def _check_grammar(grammar: GrammarBitmask, sample_reqs: list) -> None:
+    """Raises ValueError unless ``grammar`` has one bitmask row per request and each of its
+    requests samples in the step."""
+    if grammar.bitmask.dim() != 2 or grammar.bitmask.shape[0] != len(grammar.request_ids):
+        raise ValueError(f"grammar bitmask of shape {tuple(grammar.bitmask.shape)} for "
+                         f"{len(grammar.request_ids)} requests: one row per request is needed")
+    sampling = {r.request_id for r in sample_reqs}
+    stray = [rid for rid in grammar.request_ids if rid not in sampling]
+    if stray:
+        raise ValueError(f"grammar bitmask rows for requests that do not sample in this step: {stray[:5]}")
 
 
 def _leading_true(mask: np.ndarray) -> int:
