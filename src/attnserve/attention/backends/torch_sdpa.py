@@ -5,8 +5,8 @@ fewer padded keys against one more call per layer), each bucket's K/V blocks gat
 pages (whole blocks, contiguous copies) into one padded batch and attended in one call with a
 padding/window mask. The buckets, their block ids, key positions and masks are built once per
 step and shared by every layer. Prefills (including chunks over a cached prefix) run one
-request at a time. GQA/MQA use SDPA's ``enable_gqa`` so K/V are never repeated
-per query head. ALiBi becomes an additive float mask; learned sinks and soft-capping, which
+request at a time. GQA/MQA never repeat K/V per query head: a KV head's query heads are
+folded into the query length (masked calls) or SDPA's ``enable_gqa`` (causal prefills). ALiBi becomes an additive float mask; learned sinks and soft-capping, which
 SDPA cannot express, take an explicit float32 path. An fp8 cache stores ``x / scale`` in e4m3
 and is dequantised as it is read.
 """
