@@ -156,3 +156,61 @@ def test_folded_gqa_equals_sdpa_with_enable_gqa(dtype, num_queries, heads):
                                                             enable_gqa=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, twin, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucketed_decodes_match_one_padded_batch(feature, dtype, monkeypatch):
+    """Decodes of spread lengths, in an order that is not sorted, split into several buckets:
+    the same as the reference and as one padded batch (the bucket cost set so high that one
+    bucket wins), for every feature."""
+    from attnserve.attention.backends import torch_sdpa
+
+    gen = torch.Generator().manual_seed(len(feature) + (dtype == torch.float32))
+    context_lens = [3, 40, 0, 17, 61, 8, 33, 2, 50, 25]
+    common, kc, vc = make_batch([1] * len(context_lens), context_lens, 2, 8, gen, num_blocks=256)
+    f = FEATURES[feature]
+    layer = SimpleNamespace(scale=8 ** -0.5, window=f.get("window"), softcap=f.get("softcap"),
+                            alibi_slopes=alibi_slopes(6) if f.get("alibi") else None,
+                            sinks=torch.randn(6, generator=gen) if f.get("sinks") else None, k_scale=1.0, v_scale=1.0)
+    q, k, v = (torch.randn(len(context_lens), h, 8, generator=gen) for h in (6, 2, 2))
+    ref_k, ref_v = kc.clone(), vc.clone()
+    write_kv(ref_k, ref_v, k, v, common.slot_mappings[0])
+    ref = paged_attention(q, ref_k, ref_v, common.block_tables[0], common.query_start_loc, common.seq_lens,
+                          scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes, sinks=layer.sinks,
+                          softcap=layer.softcap)
+    outs = {}
+    for cost in (8, 10**9):
+        monkeypatch.setattr(torch_sdpa, "BUCKET_COST_KEYS", cost)
+        backend = TorchSDPABackend(BLOCK)
+        meta = backend.build_metadata(common, 0)
+        assert (len(meta.decode_buckets) > 2) == (cost == 8)
+        assert (meta.decode_order is not None) == (cost == 8)
+        outs[cost] = [backend.forward(layer, q.to(dtype), k.to(dtype), v.to(dtype), (kc.to(dtype), vc.to(dtype)), meta)
+                      for _ in range(2)]  # the second layer reuses the step's masks
+        assert torch.equal(outs[cost][0], outs[cost][1])
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[8][0].float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(outs[8][0], outs[10**9][0], atol=tol, rtol=tol)
+
+
+def test_split_decodes_is_the_cheapest_split():
+    """``split_decodes`` against every split of small sorted inputs (brute force)."""
+    from itertools import combinations
+
+    from attnserve.attention.backends.torch_sdpa import split_decodes
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        n = 1 + trial % 7
+        blocks = sorted(torch.randint(1, 12, (n,), generator=gen).tolist(), reverse=True)
+        cost = [0, 1, 3, 10, 100][trial % 5]
+        runs = split_decodes(blocks, cost)
+        assert runs[0][0] == 0 and runs[-1][1] == n and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+        assert all(w == blocks[s] for s, _, w in runs)
+        got = sum((e - s) * w + cost for s, e, w in runs)
+        best = min(sum((e - s) * blocks[s] + cost for s, e in zip((0, *cuts), (*cuts, n)))
+                   for r in range(n) for cuts in combinations(range(1, n), r))
+        assert got == best
+    with pytest.raises(ValueError, match="descending"):
+        split_decodes([1, 2], 0)

@@ -382,3 +382,20 @@ def test_mixed_batch_behaves_per_row():
         assert (seen[:, i] == argmax[i]).all()
     assert set(seen[:, 4].tolist()) == top3
     assert set(seen[:, 5].tolist()) == kept(probs[5:6])[0] and len(kept(probs[5:6])[0]) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_argmax_ties_included(dtype):
+    """The CPU greedy path (``max(dim).indices``) against ``argmax``: the first maximal index,
+    on random rows and on rows with ties at the maximum (bf16 rounds many values together)."""
+    from attnserve.layers.sampler import greedy_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 3000, generator=gen).to(dtype)
+    top = logits.max(dim=-1).values
+    for row, cols in enumerate(torch.randint(0, 3000, (40, 3), generator=gen).tolist()):
+        if row % 2:
+            logits[row, cols] = top[row] + 1  # a three-way tie at a new maximum
+    logits[5] = 0.0  # a whole row tied
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+    assert greedy_argmax(logits)[5] == 0

@@ -36,6 +36,7 @@ __all__ = [
     "apply_token_bitmask",
     "bad_words_bans",
     "gather_logprobs",
+    "greedy_argmax",
     "sampling_probs",
     "unpack_bitmask",
 ]
@@ -411,6 +412,15 @@ def _exponential_race(
     return (probs / q).argmax(dim=-1)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` [N]: the first maximal index of each row. On CPU through
+    ``max(dim)``, which returns the same index and is 5-6x faster there than ``argmax`` (bf16
+    [64, 32000]: 0.6 against 3.6 ms); ``argmax`` elsewhere."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 class Sampler(nn.Module):
     """Turns one step's logits into sampled tokens (and logprobs when a row asks)."""
 
@@ -435,12 +445,12 @@ class Sampler(nn.Module):
         else:
             processed = apply_penalties(logits, batch)
         if batch.all_greedy:
-            sampled = processed.argmax(dim=-1)
+            sampled = greedy_argmax(processed)
         else:
             sampled = _exponential_race(sampling_probs(processed, batch), batch.generators)
             if not batch.all_random:
                 greedy = batch.temperature < _GREEDY_EPS
-                sampled = torch.where(greedy, processed.argmax(dim=-1), sampled)
+                sampled = torch.where(greedy, greedy_argmax(processed), sampled)
         logprobs = None
         if batch.max_num_logprobs is not None:
             raw = logits.float().log_softmax(dim=-1)

@@ -1,9 +1,12 @@
 """TORCH_SDPA: standard attention over the paged cache with PyTorch on any device.
 
-Decodes are batched: their K/V blocks are gathered from the pages (whole blocks, contiguous
-copies) into one padded batch and attended in one call with a padding/window mask. Prefills (including chunks over a cached
-prefix) run one request at a time. GQA/MQA use SDPA's ``enable_gqa`` so K/V are never repeated
-per query head. ALiBi becomes an additive float mask; learned sinks and soft-capping, which
+Decodes are batched: sorted by context length and split into a few buckets (``split_decodes``:
+fewer padded keys against one more call per layer), each bucket's K/V blocks gathered from the
+pages (whole blocks, contiguous copies) into one padded batch and attended in one call with a
+padding/window mask. The buckets, their block ids, key positions and masks are built once per
+step and shared by every layer. Prefills (including chunks over a cached prefix) run one
+request at a time. GQA/MQA never repeat K/V per query head: a KV head's query heads are
+folded into the query length (masked calls) or SDPA's ``enable_gqa`` (causal prefills). ALiBi becomes an additive float mask; learned sinks and soft-capping, which
 SDPA cannot express, take an explicit float32 path. An fp8 cache stores ``x / scale`` in e4m3
 and is dequantised as it is read.
 """
@@ -22,14 +25,63 @@ from attnserve.attention.metadata import CommonAttentionMetadata
 __all__ = ["TorchSDPABackend", "TorchSDPAMetadata", "attend"]
 
 
+# a bucket's fixed cost per layer (a gather pair and an SDPA call), in padded key slots: the
+# split into buckets minimises padded keys + this per bucket (measured on CPU, bf16, 8/4 heads
+# of 64: about 0.1 us a key slot, 60-80 us a bucket)
+BUCKET_COST_KEYS = 512
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Decodes ``start:end`` of the length-sorted order, attended in one padded call."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [b, num_blocks] block ids (0 = pad)
+    dist: torch.Tensor  # [b, 1, S] query position minus key position
+    valid: torch.Tensor  # [b, 1, S] keys that exist
+    masks: dict  # (window, dtype) -> additive SDPA mask [b, 1, 1, S] in the query dtype, built by the first layer
+
+
 @dataclass(slots=True)
 class TorchSDPAMetadata:
     slot_mapping: torch.Tensor  # [T]
     num_decodes: int
     decode_blocks: torch.Tensor | None  # [B_dec, max_blocks] block ids of each decode (0 = pad)
-    decode_key_pos: torch.Tensor | None  # [B_dec, max_blocks * block_size] key positions, -1 past the end
     decode_query_pos: torch.Tensor | None  # [B_dec]
     prefills: list[tuple[int, int, int, int, torch.Tensor]]  # (q_start, q_end, context, seq_len, blocks)
+    decode_order: torch.Tensor | None = None  # [B_dec] decode rows sorted by length; None: as they are
+    decode_buckets: list[DecodeBucket] | None = None
+    all_slots_valid: bool = False  # no -1 in slot_mapping: the cache write needs no mask
+
+
+def split_decodes(num_blocks: list[int], cost: int, max_groups: int = 64) -> list[tuple[int, int, int]]:
+    """The buckets of decodes sorted by block count, longest first: ``(start, end, blocks)``
+    runs that minimise the padded block slots plus ``cost`` (in blocks) per run.
+
+    ``num_blocks`` must be sorted in descending order. Exact dynamic programming over the runs
+    of equal counts (at most ``max_groups`` of them; more are merged evenly first, so a step
+    costs O(max_groups^2) at most).
+    """
+    n = len(num_blocks)
+    if any(a < b for a, b in zip(num_blocks, num_blocks[1:])):
+        raise ValueError("split_decodes: num_blocks must be sorted in descending order")
+    starts = [i for i in range(n) if i == 0 or num_blocks[i] != num_blocks[i - 1]]
+    if len(starts) > max_groups:
+        step = len(starts) / max_groups
+        starts = sorted({starts[int(j * step)] for j in range(max_groups)})
+    m = len(starts)
+    starts.append(n)
+    best = [0.0] * (m + 1)  # best[k]: cost of rows starts[k]: as runs
+    cut = [m] * (m + 1)
+    for k in range(m - 1, -1, -1):
+        width = num_blocks[starts[k]]
+        best[k], cut[k] = min(((starts[j] - starts[k]) * width + cost + best[j], j) for j in range(k + 1, m + 1))
+    runs, k = [], 0
+    while k < m:
+        runs.append((starts[k], starts[cut[k]], num_blocks[starts[k]]))
+        k = cut[k]
+    return runs
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dist: torch.Tensor, valid: torch.Tensor,
@@ -88,6 +140,17 @@ def _sdpa_shared_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return out.reshape(b, h, nq, out.shape[-1])
 
 
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One query per row: q [B, H, 1, D], k, v [B, Hkv, S, D], an additive mask [B, 1, 1, S] ->
+    [B, H, 1, Dv]. As ``_sdpa_shared_mask`` (the query heads of a KV head folded into the query
+    length), the mask broadcast over them instead of copied."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, 1, out.shape[-1])
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
 
@@ -95,31 +158,55 @@ class TorchSDPABackend(AttentionBackend):
         bt = common.block_tables[group_id]
         bs = self.block_size
         nd = common.num_decodes
-        dec_blocks = dec_kpos = dec_qpos = None
-        if nd:  # gather whole blocks (contiguous copies), then mask what lies past each end
+        dec_blocks = dec_qpos = order = buckets = None
+        if nd:
             lens = common.seq_lens_cpu[:nd]
-            num_blocks = -(-max(lens) // bs)
-            dec_blocks = bt[:nd, :num_blocks].long()
-            seq = common.seq_lens[:nd].long()
-            pos = torch.arange(num_blocks * bs, device=bt.device)
-            dec_kpos = torch.where(pos[None, :] < seq[:, None], pos.expand(nd, -1), -1)
-            dec_qpos = seq - 1
+            dec_blocks = bt[:nd, : -(-max(lens) // bs)].long()
+            dec_qpos = common.seq_lens[:nd].long() - 1
+            order, buckets = self._decode_buckets(lens, bt, common.seq_lens[:nd])
         prefills = []
         q = common.query_start_loc_cpu
         for i in range(nd, common.num_reqs):
             seq_len = common.seq_lens_cpu[i]
             context = seq_len - (q[i + 1] - q[i])
             prefills.append((q[i], q[i + 1], context, seq_len, bt[i, : -(-seq_len // bs)].long()))
-        return TorchSDPAMetadata(common.slot_mappings[group_id], nd, dec_blocks, dec_kpos, dec_qpos, prefills)
+        slots = common.slot_mappings[group_id]
+        return TorchSDPAMetadata(slots, nd, dec_blocks, dec_qpos, prefills, order, buckets,
+                                 bool((slots >= 0).all()))
+
+    def _decode_buckets(self, lens: list[int], bt: torch.Tensor,
+                        seq: torch.Tensor) -> tuple[torch.Tensor | None, list[DecodeBucket]]:
+        """Decodes sorted by length (the order, None where they already are) and split into
+        buckets, each with its block ids, key distances and validity (shared by every layer)."""
+        bs = self.block_size
+        nblk = [-(-n // bs) for n in lens]
+        rows = sorted(range(len(lens)), key=nblk.__getitem__, reverse=True)
+        runs = split_decodes([nblk[i] for i in rows], -(-BUCKET_COST_KEYS // bs))
+        if len(runs) == 1:
+            rows = list(range(len(lens)))  # one bucket: no reordering
+        order = None if rows == sorted(rows) else torch.tensor(rows, device=bt.device)
+        bt_sorted = bt if order is None else bt.index_select(0, order)
+        seq_sorted = (seq if order is None else seq.index_select(0, order)).long()
+        buckets = []
+        for start, end, width in runs:
+            pos = torch.arange(width * bs, device=bt.device)
+            qpos = seq_sorted[start:end, None] - 1
+            buckets.append(DecodeBucket(start, end, bt_sorted[start:end, :width].long(), (qpos - pos)[:, None],
+                                        (pos < qpos + 1)[:, None], {}))
+        return order, buckets
 
     @staticmethod
     def _write(layer, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               slot_mapping: torch.Tensor) -> None:
-        """New K/V [T, Hkv, D] into their slots (-1: skipped); fp8 stores ``x / scale``."""
+               slot_mapping: torch.Tensor, all_valid: bool = False) -> None:
+        """New K/V [T, Hkv, D] into their slots (-1: skipped; ``all_valid``: none is -1, so no
+        mask); fp8 stores ``x / scale``."""
         kc = key_cache.view(-1, *key_cache.shape[2:])  # [num_blocks * block_size, Hkv, D]
         vc = value_cache.view(-1, *value_cache.shape[2:])
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
+        if all_valid:
+            keep, slots = slice(None), slot_mapping
+        else:
+            keep = slot_mapping >= 0
+            slots = slot_mapping[keep]
         if kc.dtype == torch.float8_e4m3fn:  # copied as raw bytes: not every device indexes float8
             kc.view(torch.uint8).index_copy_(0, slots, (k[keep].float() / layer.k_scale).to(kc.dtype).view(torch.uint8))
             vc.view(torch.uint8).index_copy_(0, slots, (v[keep].float() / layer.v_scale).to(vc.dtype).view(torch.uint8))
@@ -138,7 +225,7 @@ class TorchSDPABackend(AttentionBackend):
     def forward(self, layer, q, k, v, kv_cache, metadata: TorchSDPAMetadata) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         fp8 = key_cache.dtype == torch.float8_e4m3fn
-        self._write(layer, k, v, key_cache, value_cache, metadata.slot_mapping)
+        self._write(layer, k, v, key_cache, value_cache, metadata.slot_mapping, metadata.all_slots_valid)
 
         def read(cache: torch.Tensor, blocks: torch.Tensor, scale: float) -> torch.Tensor:
             return self._read(cache, blocks, scale, fp8, q.dtype)
@@ -147,13 +234,9 @@ class TorchSDPABackend(AttentionBackend):
         nd = metadata.num_decodes
         if getattr(layer, "streaming", None) is not None:
             return self._forward_streaming(layer, q, key_cache, value_cache, read, metadata, out)
-        if nd:
-            keys = read(key_cache, metadata.decode_blocks, layer.k_scale).transpose(1, 2)  # [B, Hkv, S, D]
-            vals = read(value_cache, metadata.decode_blocks, layer.v_scale).transpose(1, 2)
-            dist = (metadata.decode_query_pos[:, None] - metadata.decode_key_pos)[:, None, :]  # [B, 1, S]
-            valid = (metadata.decode_key_pos >= 0)[:, None, :]
-            out[:nd] = attend(q[:nd].unsqueeze(2), keys, vals, dist, valid, layer).squeeze(2)
         plain = layer.alibi_slopes is None and layer.sinks is None and layer.softcap is None
+        if nd:
+            self._decode(layer, q[:nd], out[:nd], key_cache, value_cache, read, metadata, plain)
         for start, end, context, seq_len, blocks in metadata.prefills:
             keys = read(key_cache, blocks, layer.k_scale)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
             vals = read(value_cache, blocks, layer.v_scale)[:seq_len].transpose(0, 1).unsqueeze(0)
@@ -167,6 +250,30 @@ class TorchSDPABackend(AttentionBackend):
                 o = attend(qi, keys, vals, dist, torch.ones_like(dist, dtype=torch.bool), layer)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(layer, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                read, metadata: TorchSDPAMetadata, plain: bool) -> None:
+        """The decodes' attention, bucket by bucket: q [B_dec, H, D] -> out [B_dec, H, Dv]."""
+        order = metadata.decode_order
+        qs = q if order is None else q.index_select(0, order)
+        outs = out if order is None else torch.empty_like(out)
+        for bk in metadata.decode_buckets:
+            keys = read(key_cache, bk.blocks, layer.k_scale).transpose(1, 2)  # [b, Hkv, S, D]
+            vals = read(value_cache, bk.blocks, layer.v_scale).transpose(1, 2)
+            qb = qs[bk.start:bk.end].unsqueeze(2)  # [b, H, 1, D]
+            if plain:  # the padding/window mask, additive, once per step and window
+                mask = bk.masks.get((layer.window, q.dtype))
+                if mask is None:
+                    keep = bk.valid if layer.window is None else bk.valid & (bk.dist < layer.window)
+                    mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+                    mask = bk.masks[(layer.window, q.dtype)] = mask[:, None]  # [b, 1, 1, S]
+                ob = _sdpa_decode(qb, keys, vals, mask, layer.scale)
+            else:
+                ob = attend(qb, keys, vals, bk.dist, bk.valid, layer)
+            outs[bk.start:bk.end] = ob.squeeze(2)
+        if order is not None:
+            out.index_copy_(0, order, outs)
 
     @staticmethod
     def _forward_streaming(layer, q, key_cache, value_cache, read, metadata, out) -> torch.Tensor:
