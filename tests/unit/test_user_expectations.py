@@ -187,6 +187,52 @@ def test_hub_snapshot_without_weights(tiny, offline_cache):
         LLM("./no/such/dir", **KW)
 
 
+
+def test_hub_id_downloads_when_online(tiny, offline_cache, monkeypatch):
+    """Online (no HF_HUB_OFFLINE) and not cached: ``snapshot_download`` is asked for the files the
+    engine reads (safetensors only when the weights will be loaded) and its snapshot is served;
+    a failed download is one error naming the id, the revision and the cache. The hub itself is
+    replaced by a fake that writes the snapshot the way a download would."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, cache_dir=None, local_files_only=False,
+                               allow_patterns=None):
+        calls.append((repo_id, local_files_only, allow_patterns))
+        assert cache_dir == str(offline_cache)
+        snapshot = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+        if local_files_only:
+            if snapshot.is_dir():
+                return str(snapshot)
+            raise LocalEntryNotFoundError("not cached")
+        if repo_id == "org/unreachable":
+            raise ConnectionError("connection refused\nsecond line")
+        hub_cache(Path(cache_dir), repo_id, tiny)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    llm = LLM("org/remote", **KW)
+    assert llm.llm_engine.parts.model_dir == offline_cache / "models--org--remote" / "snapshots" / COMMIT
+    assert [c[:2] for c in calls] == [("org/remote", True), ("org/remote", False)]
+    assert "*.safetensors" in calls[1][2] and "*.json" in calls[1][2]
+    calls.clear()
+    LLM("org/remote", **KW)  # cached now: the network is not asked again
+    assert [c[:2] for c in calls] == [("org/remote", True)]
+    calls.clear()
+    LLM("org/remote-dummy", load_format="dummy", **KW)
+    assert "*.safetensors" not in calls[1][2]  # dummy weights: only configs and tokenizer
+    with pytest.raises(FileNotFoundError) as err:
+        LLM("org/unreachable", revision="v2", **KW)
+    for part in ("'org/unreachable' (revision 'v2')", str(offline_cache), "could not be downloaded",
+                 "ConnectionError: connection refused"):
+        assert part in str(err.value)
+    assert "second line" not in str(err.value)
+
+
 # --- a model directory without a tokenizer ---------------------------------------------------
 
 
