@@ -80,6 +80,29 @@ def test_server_and_request_chat_templates(custom_server, reference):
         assert out.choices[0].message.content == tok.decode(greedy_ids(reference, rendered, 4))
 
 
+
+def test_reasoning_effort_reaches_the_chat_template(custom_server, reference):
+    """The SDK's ``reasoning_effort`` is the template variable of that name (as vLLM passes it),
+    and ``chat_template_kwargs`` reach the template too; the prompt length shows what was rendered."""
+    template = ("{% if reasoning_effort == 'high' %}Think step by step, check every step. {% endif %}"
+                "{% if greet %}Hello! {% endif %}" + REQUEST_TEMPLATE)
+    tok = reference.get_tokenizer()
+
+    def prompt_tokens(**kw) -> int:
+        return custom_server.chat.completions.create(
+            model=MODEL_NAME, messages=MSGS, max_tokens=1, temperature=0.0,
+            extra_body={"chat_template": template, **kw.pop("extra", {})}, **kw).usage.prompt_tokens
+
+    def expected(**variables) -> int:
+        return len(tok.encode(tok.apply_chat_template(MSGS, chat_template=template, **variables),
+                              add_special_tokens=False))
+
+    assert prompt_tokens() == expected() < expected(reasoning_effort="high")
+    assert prompt_tokens(reasoning_effort="high") == expected(reasoning_effort="high")
+    assert prompt_tokens(reasoning_effort="low") == expected()
+    assert prompt_tokens(extra={"chat_template_kwargs": {"greet": True}}) == expected(greet=True) > expected()
+
+
 def test_generation_config_fills_what_the_request_leaves_out(custom_server, reference):
     """temperature 0 from the file when the request sends none (greedy), and max_new_tokens
     caps max_tokens, as vLLM's --generation-config auto; a request's own temperature wins."""

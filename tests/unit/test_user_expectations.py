@@ -85,6 +85,19 @@ def test_chat_template_as_a_string_or_a_file(llm, tmp_path):
         llm.chat(MSGS, greedy(1), chat_template=str(tmp_path / "missing.jinja"))
 
 
+
+def test_chat_template_kwargs_and_tools_reach_the_template(llm):
+    """vLLM's ``LLM.chat(..., chat_template_kwargs=, tools=)``: both are template variables."""
+    template = ("{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+                "{% if enable_thinking %}<think>{% endif %}" + TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    plain = llm.chat(MSGS, greedy(1), chat_template=template)[0]
+    assert plain.prompt == "[user] hi there\n"
+    out = llm.chat([MSGS, MSGS], greedy(1), chat_template=template, tools=tools,
+                   chat_template_kwargs={"enable_thinking": True})
+    assert [o.prompt for o in out] == ["TOOLS get_weather\n<think>[user] hi there\n"] * 2
+
+
 def test_a_model_without_a_template_names_the_ways_to_give_one(tiny, tmp_path):
     d = copy_model(tiny, tmp_path / "no_template", skip=("tokenizer_config.json",))
     config = json.loads((tiny / "tokenizer_config.json").read_text())
