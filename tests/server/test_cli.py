@@ -114,6 +114,10 @@ def test_serve_subprocess(model_dir, reference, tmp_path):
             resp = c.completions.create(
                 model="served", prompt="hello", max_tokens=6, temperature=0.0
             )
+            # structured output is an extra (xgrammar): without it, a 400 naming the extra
+            with pytest.raises(openai.BadRequestError, match=r"pip install 'attnserve\[structured\]'"):
+                c.completions.create(model="served", prompt="hello", max_tokens=2,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
         ref = reference.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=6))[0]
         assert resp.choices[0].text == ref.outputs[0].text
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,22 @@ def test_chat_outputs_carry_the_rendered_prompt(llm):
     out = llm.chat(MSGS, greedy(2))[0]
     assert out.prompt == tok.apply_chat_template(MSGS) and out.prompt.startswith("<|im_start|>user")
     assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+
+
+
+def test_structured_output_without_xgrammar_names_the_extra(tiny, monkeypatch):
+    """xgrammar is the ``structured`` extra, not the base install: a structured request is
+    refused before anything is queued, with the command that installs it."""
+    from attnserve.engine.engine import PromptError
+    from attnserve.sampling_params import StructuredOutputsParams
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # what the base install gives
+    llm = LLM(str(tiny), **KW)
+    assert llm.llm_engine.structured.warm_up() is False
+    with pytest.raises(PromptError, match=r"pip install 'attnserve\[structured\]'"):
+        llm.generate(["a", "b"], [greedy(2), greedy(2, structured_outputs=StructuredOutputsParams(choice=["x"]))])
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate(["a"], greedy(2))[0].outputs[0].token_ids  # the engine still serves
 
 
 # --- chat templates --------------------------------------------------------------------------
