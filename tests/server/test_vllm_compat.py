@@ -201,8 +201,8 @@ def _all_parsers(parser: argparse.ArgumentParser, name: str = "attnserve"):
 
 
 def test_every_flag_is_documented_with_its_default():
-    """Every engine flag has help text that shows its default; every option of generate, serve
-    and bench has help text; the engine flags are exactly the engine options they set."""
+    """Every engine flag has help text that shows its default; every option of generate, serve,
+    bench and inspect has help text; the engine flags are exactly the engine options they set."""
     p = argparse.ArgumentParser()
     add_engine_args(p)
     formatter = HelpFormatter("x")
@@ -217,8 +217,6 @@ def test_every_flag_is_documented_with_its_default():
     assert set(engine_kwargs(argparse.Namespace(**{a.dest: 1 for a in engine_actions}))) == \
         {a.dest for a in engine_actions}
     for name, parser in _all_parsers(build_parser()):
-        if name.startswith("attnserve inspect"):
-            continue  # inspect's flags are documented in README's "What a model costs"
         assert parser.formatter_class is HelpFormatter, name
         for a in parser._actions:
             if a.option_strings and a.dest not in ("help", "version"):

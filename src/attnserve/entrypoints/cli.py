@@ -54,22 +54,32 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
                                  "(e.g. deepseek-ai/DeepSeek-V3)")
     p.add_argument("--platform", choices=PLATFORM_NAMES, default=None, help="default: this machine")
     p.add_argument("--compute-capability", default=None, help="e.g. 9.0 (cuda/rocm without a device)")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--memory", type=float, default=None, metavar="GiB")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the KV cache's element type: auto (the model's dtype), fp8, bfloat16, float16 "
+                        "or float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the model's dtype (auto: the config's)")
+    p.add_argument("--attention-backend", default=None,
+                   help="check this backend for every layer group (exits non-zero with every reason "
+                        "it does not fit); default: the platform's first choice per group")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--memory", type=float, default=None, metavar="GiB",
+                   help="a KV cache budget: how many tokens and sequences it holds (default: not asked)")
     p.add_argument("--device-memory", "--gpu-memory", dest="device_memory", default=None, metavar="SIZE",
                    help="a whole device's memory (80, 80GiB, 80GB): tokens that fit once the weights "
                         "(computed from the config, quantisation included) are loaded")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="the share of --device-memory the engine may use (default: 0.9)")
     p.add_argument("--revision", default=None, help="a Hugging Face model id's branch, tag or commit")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the sequence length one sequence's bytes are given for (default: the "
+                        "model config's context length, RoPE scaling applied)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="report one rank's KV bytes, state and sequences (--memory is per rank)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw KV memory per sequence against its length, as configured and as MHA / "
+                        "GQA / MQA / MLA, into this PNG (the plot extra: matplotlib)")
     p.set_defaults(func=_run_inspect)
 
 
