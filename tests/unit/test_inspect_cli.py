@@ -133,6 +133,12 @@ def test_device_memory_subtracts_the_weights(capsys):
     assert device["max_tokens"] == (usable - 2 * 8_030_261_248) // 131_072
     assert device["max_sequences"] == (usable - 2 * 8_030_261_248) // (8192 * 131_072)
     assert out["max_tokens"] == 16 * GIB // 131_072  # the KV-budget answer stays
+    # the table says the same: the weights, then the KV cache left after them
+    assert main(["inspect", "meta-llama/Llama-3.1-8B-Instruct", "--platform", "cpu", "--device-memory", "80GiB",
+                 "--max-model-len", "8192"]) == 0
+    text = capsys.readouterr().out
+    assert "weights: 8.03B parameters" in text and "in bfloat16" in text
+    assert f"after the weights: {device['max_tokens']:,} tokens; {device['max_sequences']:,} sequences" in text
 
 
 def test_deepseek_v32_weights_do_not_fit_in_80_gib(capsys):
