@@ -33,7 +33,12 @@ from attnserve.layers.norm import RMSNorm  # noqa: E402
 from attnserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from attnserve.ops.triton_fused import rms_norm, rotary  # noqa: E402
 from attnserve.ops.triton_kv_write import rope_write_kv_cache, write_kv_cache  # noqa: E402
-from tests.kernels.test_rope_kv_write import caches, qkv_views, same_bits  # noqa: E402
+from tests.kernels.test_rope_kv_write import (  # noqa: E402
+    caches,
+    engine_outputs_fused_and_unfused,
+    qkv_views,
+    same_bits,
+)
 
 EPS = 1e-6
 CASES = [(64, 64, 64, False), (64, 64, 64, True), (80, 48, 32, False), (96, 96, 48, True)]
@@ -136,8 +141,7 @@ def test_only_plain_norms_in_the_dtype_fuse():
 def test_engine_qwen3_tokens_unchanged_with_fused_qk_norm(tmp_path, monkeypatch):
     """A tiny Qwen3 (q/k norms with non-trivial weights) on TRITON_ATTN (interpreter) gives the
     same tokens and logprobs with the norms and RoPE fused into the cache write as unfused."""
-    from attnserve import LLM, SamplingParams
-    from tests.models.parity import build_hf_model, make_prompts, run_engine
+    from tests.models.parity import build_hf_model
 
     model = build_hf_model("qwen3", dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -148,32 +152,7 @@ def test_engine_qwen3_tokens_unchanged_with_fused_qk_norm(tmp_path, monkeypatch)
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.copy_(torch.rand(norm.weight.shape, generator=gen) + 0.5)
     model.save_pretrained(tmp_path)
-    prompts = make_prompts([5, 11])
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
-    calls = {"normed": 0}
-    fused_entry = TritonAttentionBackend.forward_rope
-
-    def counting(self, layer, q, k, v, kv_cache, meta, rope):
-        calls["normed"] += rope.qk_norm is not None
-        return fused_entry(self, layer, q, k, v, kv_cache, meta, rope)
-
-    monkeypatch.setattr(TritonAttentionBackend, "forward_rope", counting)
-    outs = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(TritonAttentionBackend, "fuses_rope", fuse)
-        before = calls["normed"]
-        llm = LLM(str(tmp_path), dtype="float32", block_size=16, attention_backend="TRITON_ATTN",
-                  max_num_batched_tokens=8)
-        outs[fuse] = run_engine(llm, prompts, params)
-        assert (calls["normed"] > before) == fuse
-    for a, b in zip(outs[True], outs[False]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            for tid in ea:
-                assert abs(ea[tid].logprob - eb[tid].logprob) < 1e-5
-        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for tid in ea:
-                assert abs(ea[tid].logprob - eb[tid].logprob) < 1e-5
+    engine_outputs_fused_and_unfused(monkeypatch, tmp_path, lambda rope: rope.qk_norm is not None)
 
 
 _LAUNCHES = r"""

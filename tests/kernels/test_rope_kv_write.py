@@ -154,39 +154,49 @@ def test_rope_table_only_for_position_only_ropes():
     assert dynamic.position_table(pos) is None  # its cos/sin depend on the sequence length
 
 
-def test_engine_tokens_unchanged_with_fused_rope(tmp_path, monkeypatch):
-    """An engine on TRITON_ATTN (interpreter) gives the same tokens and logprobs with RoPE fused
-    into the cache write as with the unfused path (the backend's flag off), and the fused entry
-    is the one that ran."""
+def engine_outputs_fused_and_unfused(monkeypatch, model_dir, ran_fused) -> None:
+    """Run the model in ``model_dir`` on TRITON_ATTN (interpreter) with the backend's RoPE fusion
+    on, then off: the same tokens, and logprobs within 1e-5; ``ran_fused(rope)`` says whether a
+    ``forward_rope`` call took the fused path under test, and such calls happen only when on."""
     from attnserve import LLM, SamplingParams
-    from tests.models.parity import build_hf_model, make_prompts, run_engine
+    from tests.models.parity import make_prompts, run_engine
 
-    build_hf_model("llama", dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-                   tmp_path)
     prompts = make_prompts([5, 11])
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     calls = {"fused": 0}
     fused_entry = TritonAttentionBackend.forward_rope
 
-    def counting(self, *args, **kwargs):
-        calls["fused"] += 1
-        return fused_entry(self, *args, **kwargs)
+    def counting(self, layer, q, k, v, kv_cache, meta, rope):
+        calls["fused"] += bool(ran_fused(rope))
+        return fused_entry(self, layer, q, k, v, kv_cache, meta, rope)
 
     monkeypatch.setattr(TritonAttentionBackend, "forward_rope", counting)
     outs = {}
     for fuse in (True, False):
         monkeypatch.setattr(TritonAttentionBackend, "fuses_rope", fuse)
         before = calls["fused"]
-        llm = LLM(str(tmp_path), dtype="float32", block_size=16, attention_backend="TRITON_ATTN",
+        llm = LLM(str(model_dir), dtype="float32", block_size=16, attention_backend="TRITON_ATTN",
                   max_num_batched_tokens=8)
         outs[fuse] = run_engine(llm, prompts, params)
         assert (calls["fused"] > before) == fuse
     for a, b in zip(outs[True], outs[False]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+        pairs = list(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])) + list(zip(a.outputs[0].logprobs,
+                                                                                   b.outputs[0].logprobs))
+        for ea, eb in pairs:
             for tid in ea:
                 assert abs(ea[tid].logprob - eb[tid].logprob) < 1e-5
+
+
+def test_engine_tokens_unchanged_with_fused_rope(tmp_path, monkeypatch):
+    """A tiny Llama gives the same tokens and logprobs with RoPE fused into the cache write as
+    with the unfused path, and the fused entry is the one that ran."""
+    from tests.models.parity import build_hf_model
+
+    build_hf_model("llama", dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+                   tmp_path)
+    engine_outputs_fused_and_unfused(monkeypatch, tmp_path, lambda rope: True)
 
 
 # ----------------------------------------------------------------------------- GPU compile

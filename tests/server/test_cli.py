@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -269,3 +270,17 @@ def test_bench_serve_requests_file_and_clients(server, tmp_path):
     assert result["completed"] == 6 and 6 * 3 <= result["total_input_tokens"] <= 6 * 5
     assert 6 * 2 <= result["total_output_tokens"] <= 6 * 4
     server.wait_idle()
+
+
+@pytest.mark.parametrize("content", ["{}", "[]", "[[[1, 2], 0]]", "[[[], 3]]", "[[[1, 2.5], 3]]", "[[1, 3]]",
+                                     "[[[1], 2, 3]]"])
+def test_bench_serve_refuses_a_malformed_requests_file(tmp_path, content):
+    from attnserve.entrypoints.bench import serve_requests
+
+    path = tmp_path / "reqs.json"
+    path.write_text(content)
+    args = argparse.Namespace(requests_file=str(path))
+    with pytest.raises(ValueError, match="prompt token ids, max tokens"):
+        serve_requests(args)
+    path.write_text("[[[1, 2], 3]]")
+    assert serve_requests(args) == [([1, 2], 3)]

@@ -209,10 +209,16 @@ def serve_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     inclusive) or ``--*-len`` with ``--range-ratio``, ids uniform in ``[0, --vocab-size)``."""
     if args.requests_file:
         with open(args.requests_file, encoding="utf-8") as f:
-            reqs = [(list(p), int(n)) for p, n in json.load(f)]
-        if not reqs or any(not p or n < 1 for p, n in reqs):
-            raise ValueError(f"{args.requests_file}: every request needs a prompt and max tokens >= 1")
-        return reqs
+            data = json.load(f)
+
+        def valid(item) -> bool:  # [[token id, ...], max tokens]
+            return (isinstance(item, list) and len(item) == 2 and isinstance(item[0], list) and len(item[0]) > 0
+                    and all(type(t) is int and t >= 0 for t in item[0]) and type(item[1]) is int and item[1] >= 1)
+
+        if not isinstance(data, list) or not data or not all(valid(x) for x in data):
+            raise ValueError(f"{args.requests_file}: a JSON list of [prompt token ids, max tokens] pairs, each "
+                             "with at least one non-negative integer id and max tokens >= 1")
+        return [(list(p), n) for p, n in data]
     rng = random.Random(args.seed)
 
     def lengths(mean: int, span: list[int] | None) -> list[int]:

@@ -171,8 +171,10 @@ class TorchSDPABackend(AttentionBackend):
             context = seq_len - (q[i + 1] - q[i])
             prefills.append((q[i], q[i + 1], context, seq_len, bt[i, : -(-seq_len // bs)].long()))
         slots = common.slot_mappings[group_id]
-        return TorchSDPAMetadata(slots, nd, dec_blocks, dec_qpos, prefills, order, buckets,
-                                 bool((slots >= 0).all()))
+        # checked on the host only: on a GPU the check would wait for the stream every step, so
+        # there the write keeps its mask
+        all_valid = slots.device.type == "cpu" and bool((slots >= 0).all())
+        return TorchSDPAMetadata(slots, nd, dec_blocks, dec_qpos, prefills, order, buckets, all_valid)
 
     def _decode_buckets(self, lens: list[int], bt: torch.Tensor,
                         seq: torch.Tensor) -> tuple[torch.Tensor | None, list[DecodeBucket]]:
