@@ -100,10 +100,15 @@ class Server:
                 tail = Path(log_path).read_text(errors="replace")[-4000:]
                 raise RuntimeError(f"the server exited ({self.proc.returncode}); {log_path} ends:\n{tail}")
             try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
+                status = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code
             except httpx.HTTPError:
-                pass
+                status = None
+            if status == 200:
+                return
+            if status == 503:  # the app is up (it starts after the engine) and says the engine died
+                self.stop()
+                tail = Path(log_path).read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"the server is up but its engine is not: {log_path} ends:\n{tail}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the server did not come up in {timeout:.0f} s: see {log_path}")
@@ -185,7 +190,8 @@ def main() -> None:
     model = model_dir(args.smoke)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     reqs = workload(n, lo, hi, vocab)
-    work = Path(tempfile.mkdtemp(prefix="attnserve_serve_run_"))
+    # under $OUT when set, so the server's log comes back even from a run that is stopped
+    work = Path(tempfile.mkdtemp(prefix="attnserve_serve_run_", dir=os.environ.get("OUT")))
     requests_file = work / "requests.json"
     requests_file.write_text(json.dumps(reqs))
     rates = [float(r) for r in args.rates.split(",")]

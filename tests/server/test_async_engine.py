@@ -251,3 +251,17 @@ def test_an_engine_failure_outside_a_step_kills_engine_and_fails_streams(engine)
     with pytest.raises(EngineDeadError, match="scheduler exploded"):
         asyncio.run(main())
     assert not engine.is_alive and isinstance(engine.error, RuntimeError)
+
+
+def test_cuda_index_of_a_bare_cuda_device(monkeypatch):
+    """The engine thread selects its GPU by index: ``torch.cuda.set_device`` refuses a bare
+    ``cuda`` device (the server's engine thread died on it at start-up on every GPU), so a bare
+    one resolves to the device current where the engine was built."""
+    import torch
+
+    from attnserve.engine.async_engine import cuda_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert cuda_index(torch.device("cuda")) == 3
+    assert cuda_index(torch.device("cuda:1")) == 1
+    assert cuda_index(torch.device("cpu")) is None

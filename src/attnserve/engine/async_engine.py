@@ -111,6 +111,15 @@ class ThroughputLogger:
         return line
 
 
+def cuda_index(device: torch.device) -> int | None:
+    """The CUDA device a thread must make current to run on ``device`` (None: not CUDA). A bare
+    ``cuda`` (no index, which ``torch.cuda.set_device`` refuses) means the device current on the
+    calling thread, so call this where the engine was built."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class _Sink:
     """One request's outputs, delivered onto the caller's event loop."""
 
@@ -187,6 +196,7 @@ class AsyncLLMEngine:
         """``log_stats_interval``: log a throughput line every that many seconds while serving
         (``ThroughputLogger``); None: none."""
         self._engine = engine
+        self._cuda_index = cuda_index(engine.parts.device)  # resolved here, on the building thread
         # read-only facts about the model, safe to read from any thread
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -306,9 +316,8 @@ class AsyncLLMEngine:
         sinks: dict[str, _Sink] = {}
         engine = self._engine
         try:
-            device = engine.parts.device
-            if device.type == "cuda":  # the current CUDA device is per thread (Triton uses it)
-                torch.cuda.set_device(device)
+            if self._cuda_index is not None:  # the current CUDA device is per thread (Triton uses it)
+                torch.cuda.set_device(self._cuda_index)
             stalled = False
             throughput = self._throughput
             if throughput is not None:
