@@ -12,6 +12,7 @@ only), which says:
   activation, sampling, copies, the rest) and the top kernels by total time.
 
     python benchmarks/gpu_nano_kernels.py [--top 25] [--json out.json]
+    python benchmarks/gpu_nano_kernels.py --min-splits 1 2 4 --no-profile   # split-KV decode A/B
 
 Writes gpu_nano_kernels.json under $OUT when set. Not here: the host's phases
 (``gpu_profile.py --parts nano``).
@@ -72,24 +73,63 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    reqs = workload(args.num_requests, 100, 1024, 151936)
+def force_min_splits(n: int) -> None:
+    """Decode launches split the KV of each (request, KV head) at least ``n`` ways (a power of
+    two, at least one 64-key tile a split): the splits a CUDA graph bakes in at capture follow."""
+    from attnserve.ops import triton_paged_attention as tpa
+
+    base = getattr(tpa, "_nano_base_pick", tpa.pick_num_splits)
+    tpa._nano_base_pick = base
+
+    def pick(num_seqs, num_kv_heads, max_query_len, max_seq_len, device):
+        splits = base(num_seqs, num_kv_heads, max_query_len, max_seq_len, device)
+        if max_query_len != 1 or n <= 1:
+            return splits
+        forced = min(n, max(1, max_seq_len // 64))
+        return max(splits, 1 << (forced.bit_length() - 1))
+
+    tpa.pick_num_splits = pick
+
+
+def timed_run(reqs) -> tuple[LLM, float, int]:
+    """A fresh engine (graphs captured now), warmed up; the workload's wall time and tokens."""
     llm = LLM(model_dir("Qwen/Qwen3-0.6B"), load_format="dummy", dtype="bfloat16", max_model_len=4096)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False) for _, o in reqs]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
-    stats = llm.llm_engine.scheduler.stats
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
-    plain_s = time.perf_counter() - t
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return llm, time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--min-splits", type=int, nargs="+", default=[],
+                    help="also time the workload with decode KV split at least N ways, a fresh engine each")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    reqs = workload(args.num_requests, 100, 1024, 151936)
+    split_rows = []
+    for n in args.min_splits:
+        force_min_splits(n)
+        llm, secs, toks = timed_run(reqs)
+        split_rows.append({"min_splits": n, "s": secs, "tokens": toks, "tok_s": toks / secs})
+        print(f"min splits {n}: {toks / secs:,.0f} tok/s ({secs:.2f} s)", flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    if args.no_profile:
+        out = args.json or (os.path.join(os.environ["OUT"], "gpu_nano_kernels.json") if os.environ.get("OUT") else None)
+        if out:
+            Path(out).write_text(json.dumps({"min_splits": split_rows}, indent=1))
+        return
+    force_min_splits(1)
+    llm, plain_s, tokens = timed_run(reqs)
+    stats = llm.llm_engine.scheduler.stats
     steps0 = stats.steps
     from torch.profiler import ProfilerActivity, profile
 
@@ -131,7 +171,7 @@ def main() -> None:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]
     for name, (us, n) in top:
         print(f"| {name[:90]} | {kind_of(name)} | {n} | {us / 1e3:.1f} | {us / n:.1f} | {us / kernel_us:.1%} |")
-    result = {"tokens": tokens, "plain_s": plain_s, "tok_s": tokens / plain_s, "profiled_s": prof_s,
+    result = {"min_splits": split_rows, "tokens": tokens, "plain_s": plain_s, "tok_s": tokens / plain_s, "profiled_s": prof_s,
               "steps": steps, "gpu_busy_s": gpu_us / 1e6, "kernel_s": kernel_us / 1e6,
               "by_kind_s": {k: v / 1e6 for k, v in by_kind.items()},
               "top": [{"name": n, "total_ms": us / 1e3, "calls": c} for n, (us, c) in top]}
