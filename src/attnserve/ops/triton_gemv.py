@@ -10,15 +10,16 @@ round trip of its own:
 - ``linear``: f(x) = x.
 - ``rms_norm_linear``: f = RMSNorm(x) * w, or RMSNorm(x + residual) * w with ``x + residual``
   also written out (by program 0, once) as the next residual; each program first sums the
-  squares of its whole rows (the rows are a few KB, read from L2).
+  squares of its whole rows (a few KB read from L2, whole rows per step where they fit).
 - ``act_and_mul_linear``: x = [gate | up] [M, 2K], f = act(gate) * up (``FUSED_ACTS``).
 
 The prologues round where ``layers/fused.py``'s twins round (the normed row cast to the dtype
 before the weight, the activation cast before the product), so f(x) is the unfused path's
 operand bit for bit up to fp32 math functions and reduction order; products accumulate in fp32
-and y is rounded once to x's dtype. For M == 1 (``GemvConfig.dot`` False) a program multiplies
-elementwise into a [M, block_n, block_k] fp32 tile and sums it at the end; with ``dot`` the
-tile product is a ``tl.dot`` with M padded to 16 (IEEE fp32 for fp32 inputs).
+and y is rounded once to x's dtype. Without ``GemvConfig.dot`` (meant for M == 1) a program
+multiplies elementwise into a [block_n, block_k] fp32 tile ([M, block_n, block_k] for M > 1)
+and sums it once after the loop; with ``dot`` the tile product is a ``tl.dot`` with M padded to
+16 (IEEE fp32 for fp32 inputs).
 
 Configs are pinned, never autotuned (autotuning breaks CUDA-graph capture and the interpreter):
 ``CONFIGS`` maps (M bucket, N, K) to a ``GemvConfig`` and ``config_for`` falls back to a rule of
@@ -140,7 +141,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, sx, sr,
                  K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     m_ok = rows < M
@@ -150,9 +151,11 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, sx, sr,
     inv = tl.full([BLOCK_M], 1.0, tl.float32)
     if PROLOGUE == 1:
         inv = _row_inv_rms(x_ptr, r_ptr, s_ptr, rows, m_ok, sx, sr, eps, pid == 0, K, HAS_RES,
-                           BLOCK_M, BLOCK_K)
+                           BLOCK_M, NORM_BLOCK)
     if DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -165,15 +168,28 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, sx, sr,
         a = _operand(x_ptr, r_ptr, nw_ptr, rows, m_ok, k, k_ok, sx, sr, inv, K, PROLOGUE, HAS_RES, ACT)
         if DOT:
             acc = tl.dot(a, tl.trans(w), acc=acc, input_precision=PRECISION)
-        else:  # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K], summed once after the loop
+        elif BLOCK_M == 1:  # [1, BLOCK_K] * [BLOCK_N, BLOCK_K], summed once after the loop
+            acc2 += a.to(tl.float32) * w.to(tl.float32)
+        else:  # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K], likewise
             acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
-        acc = tl.sum(acc3, axis=2)
+        if BLOCK_M == 1:
+            acc = tl.sum(acc2, axis=1)[None, :]
+        else:
+            acc = tl.sum(acc3, axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rows[:, None] * sy + n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 # fmt: on
+
+
+def _norm_block(block_m: int, k: int, block_k: int) -> int:
+    """Columns per step of the sum-of-squares pass: whole rows where they fit in ~8K elements (one
+    round trip to L2 before the first weight load), else block_k."""
+    if env.triton_interpret():
+        return block_k
+    return max(block_k, min(triton.next_power_of_2(k), 8192 // block_m))
 
 
 def _check(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
@@ -205,7 +221,7 @@ def _launch(x, residual, norm_weight, weight, bias, s_out, k, eps, prologue, act
         y, s_out if s_out is not None else y, m, n, x.stride(0), res.stride(0), weight.stride(0), y.stride(0),
         float(eps), K=k, PROLOGUE=prologue, HAS_RES=residual is not None, ACT=act, HAS_BIAS=bias is not None,
         DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=_norm_block(block_m, k, cfg.block_k), EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
