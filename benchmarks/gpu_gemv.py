@@ -67,7 +67,7 @@ SMOKE_SHAPES = {"toy.qkv": (80, 96, "norm"), "toy.o_proj": (48, 64, "plain"), "t
 _G = GemvConfig
 SWEEP = {  # M class -> candidates (the pinned config is added)
     "m1": [_G(8, 512), _G(16, 512), _G(16, 256, 4, 3), _G(32, 256), _G(16, 1024, 8), _G(8, 1024, 4, 1),
-           _G(32, 512, 8), _G(16, 512, 4, 1)],
+           _G(32, 512, 8), _G(16, 512, 4, 1), _G(4, 1024)],
     "small": [_G(8, 256), _G(16, 128, 4, 3), _G(16, 256, 4, 3, True), _G(32, 256, 4, 3, True),
               _G(16, 512, 4, 3, True), _G(32, 128, 4, 4, True), _G(64, 128, 4, 3, True)],
     "large": [_G(16, 256, 4, 3, True), _G(32, 256, 4, 3, True), _G(16, 512, 4, 3, True),

@@ -81,10 +81,11 @@ def _m_bucket(m: int) -> int:
 
 
 def _rule_of_thumb(m: int, n: int, k: int) -> GemvConfig:
-    """Enough programs to keep every SM streaming (no split-K), 8-16 KB W tiles."""
+    """Enough programs to keep every SM streaming (no split-K); W tiles of 8-16 KB, and for M == 1
+    an fp32 tile of at most 8K elements (64 registers a thread at 4 warps)."""
     if m == 1:
-        block_n = next((b for b in (32, 16) if triton.cdiv(n, b) >= 3 * _SMS), 8)
-        return GemvConfig(block_n, min(512, triton.next_power_of_2(k)), num_warps=4, num_stages=2)
+        block_n = next((b for b in (32, 16, 8) if triton.cdiv(n, b) >= 3 * _SMS), 4)
+        return GemvConfig(block_n, min(8192 // block_n, triton.next_power_of_2(k)), num_warps=4, num_stages=2)
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 3 * _SMS), 16)
     return GemvConfig(block_n, min(256, triton.next_power_of_2(k)), num_warps=4, num_stages=3, dot=True)
 
@@ -136,7 +137,7 @@ def _operand(x_ptr, r_ptr, nw_ptr, rows, m_ok, k, k_ok, sx, sr, inv, K: tl.const
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))  # M only masks: one variant per BLOCK_M, not per M
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, sx, sr, sw, sy, eps,
                  K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
