@@ -66,8 +66,8 @@ SHAPES = {  # name -> (N, K, prologue)
 SMOKE_SHAPES = {"toy.qkv": (80, 96, "norm"), "toy.o_proj": (48, 64, "plain"), "toy.down": (80, 96, "act")}
 _G = GemvConfig
 SWEEP = {  # M class -> candidates (the pinned config is added)
-    "m1": [_G(8, 512), _G(16, 512), _G(16, 256, 4, 3), _G(32, 256), _G(16, 1024, 8), _G(8, 1024, 4, 1),
-           _G(32, 512, 8), _G(16, 512, 4, 1), _G(4, 1024)],
+    "m1": [_G(8, 512, 4, 1), _G(8, 512, 4, 3), _G(16, 256, 4, 3), _G(16, 256, 8, 3), _G(32, 128, 4, 3),
+           _G(32, 128, 8, 3), _G(64, 64, 4, 3), _G(4, 1024, 4, 3), _G(8, 1024, 4, 3), _G(64, 64, 4, 1)],
     "small": [_G(8, 256), _G(16, 128, 4, 3), _G(16, 256, 4, 3, True), _G(32, 256, 4, 3, True),
               _G(16, 512, 4, 3, True), _G(32, 128, 4, 4, True), _G(64, 128, 4, 3, True)],
     "large": [_G(16, 256, 4, 3, True), _G(32, 256, 4, 3, True), _G(16, 512, 4, 3, True),
@@ -172,8 +172,8 @@ def time_us(case: Case, fn: Callable[[torch.Tensor], object], reps: int) -> floa
     return statistics.median(times) / calls
 
 
-def candidates(m: int, n: int, k: int, smoke: bool, sweep: bool) -> list[GemvConfig]:
-    pinned = config_for(m, n, k)
+def candidates(m: int, n: int, k: int, prologue: str, smoke: bool, sweep: bool) -> list[GemvConfig]:
+    pinned = config_for(m, n, k, prologue)
     if not sweep:
         return [pinned]
     pool = SMOKE_SWEEP if smoke else SWEEP["m1" if m == 1 else "small" if m <= 4 else "large"]
@@ -185,7 +185,7 @@ def run_case(name: str, case: Case, args, failures: list[str]) -> dict:
     row: dict = {"shape": name, "m": m, "n": n, "k": k, "prologue": case.prologue, "bytes": case.bytes()}
     reps = 1 if args.smoke else args.reps
     best = None
-    for cfg in candidates(m, n, k, args.smoke, not args.no_sweep):
+    for cfg in candidates(m, n, k, case.prologue, args.smoke, not args.no_sweep):
         bad = check(case, cfg, 2e-2 if case.x.dtype == torch.bfloat16 else 1e-4)
         if bad:
             failures.append(f"{name} M={m} {cfg}: {bad}")
@@ -197,7 +197,7 @@ def run_case(name: str, case: Case, args, failures: list[str]) -> dict:
         return row
     row["fused_us"], cfg = round(best[0], 2), best[1]
     row["config"] = {f: getattr(cfg, f) for f in ("block_n", "block_k", "num_warps", "num_stages", "dot")}
-    row["pinned"] = cfg == config_for(m, n, k)
+    row["pinned"] = cfg == config_for(m, n, k, case.prologue)
     row["cublas_us"] = round(time_us(case, case.cublas, reps), 2)
     row["unfused_us"] = round(time_us(case, case.unfused, reps), 2)
     for key in ("fused", "cublas", "unfused"):
@@ -226,11 +226,11 @@ def summary(rows: list[dict]) -> None:
               f"{r['cublas_us']:>7.1f} {r['cublas_bw']:>5.0%} | {r['unfused_us']:>7.1f} {r['unfused_bw']:>5.0%} | "
               f"{r['unfused_us'] / r['fused_us']:>9.2f}x | {c['block_n']}x{c['block_k']} w{c['num_warps']} "
               f"s{c['num_stages']}{' dot' if c['dot'] else ''}{' (pinned)' if r['pinned'] else ''}")
-    print("\n# winners, to pin in ops/triton_gemv.py CONFIGS (M bucket, N, K):")
+    print("\n# winners, to pin in ops/triton_gemv.py CONFIGS (prologue, M bucket, N, K):")
     for r in rows:
         if "config" in r and not r["pinned"]:
             c = r["config"]
-            print(f"    ({m_bucket(r['m'])}, {r['n']}, {r['k']}): GemvConfig({c['block_n']}, "
+            print(f"    (\"{r['prologue']}\", {m_bucket(r['m'])}, {r['n']}, {r['k']}): GemvConfig({c['block_n']}, "
                   f"{c['block_k']}, {c['num_warps']}, {c['num_stages']}, {c['dot']}),")
     wins = {}
     for r in rows:

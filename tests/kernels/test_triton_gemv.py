@@ -270,3 +270,20 @@ def test_model_decode_kernels_on_equals_off(family, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # per layer: norm + qkv, o_proj, norm + gate_up, act + down
     assert calls == {"linear": 2 * 2, "rms_norm_linear": 2 * 2 * 2, "act_and_mul_linear": 2 * 2}
+
+
+@pytest.mark.parametrize("prologue", triton_gemv.PROLOGUES)
+def test_rule_of_thumb_configs(prologue, monkeypatch):
+    """The GPU configs for untuned shapes: valid, dot only above M == 1, small M == 1 tiles, and
+    pinned entries win (``CONFIGS`` is keyed by prologue, M bucket, N, K)."""
+    for n, k in [(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1024, 2048), (80, 96)]:
+        for m in (1, 2, 5, 16):
+            cfg = triton_gemv._rule_of_thumb(m, n, k, prologue)
+            assert cfg.dot == (m > 1)
+            assert m > 1 or cfg.block_n * cfg.block_k <= 4096
+    pinned = GemvConfig(8, 256)
+    monkeypatch.setitem(triton_gemv.CONFIGS, (prologue, 4, 6144, 4096), pinned)
+    assert triton_gemv.config_for(3, 6144, 4096, prologue) is triton_gemv._INTERPRET_CONFIG
+    monkeypatch.setattr(triton_gemv.env, "triton_interpret", lambda: False)  # the GPU's table
+    assert triton_gemv.config_for(3, 6144, 4096, prologue) is pinned
+    assert triton_gemv.config_for(5, 6144, 4096, prologue) != pinned  # M bucket 8

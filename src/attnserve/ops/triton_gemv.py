@@ -22,8 +22,8 @@ and sums it once after the loop; with ``dot`` the tile product is a ``tl.dot`` w
 16 (IEEE fp32 for fp32 inputs).
 
 Configs are pinned, never autotuned (autotuning breaks CUDA-graph capture and the interpreter):
-``CONFIGS`` maps (M bucket, N, K) to a ``GemvConfig`` and ``config_for`` falls back to a rule of
-thumb; ``benchmarks/gpu_gemv.py`` sweeps candidates and prints the entries to pin, and every
+``CONFIGS`` maps (prologue, M bucket, N, K) to a ``GemvConfig`` and ``config_for`` falls back to
+a rule of thumb; ``benchmarks/gpu_gemv.py`` sweeps candidates and prints the entries to pin, and every
 wrapper takes an explicit ``config``. Under ``TRITON_INTERPRET=1`` one small config runs.
 
 What this is not: the dispatch (``layers/gemv.py`` decides when these run and holds the PyTorch
@@ -41,10 +41,12 @@ import triton.language as tl
 from attnserve import env
 from attnserve.ops.triton_fused import ACT_IDS, FUSED_ACTS, gated_product
 
-__all__ = ["CONFIGS", "MAX_M", "GemvConfig", "act_and_mul_linear", "config_for", "linear", "rms_norm_linear"]
+__all__ = ["CONFIGS", "MAX_M", "PROLOGUES", "GemvConfig", "act_and_mul_linear", "config_for", "linear",
+           "rms_norm_linear"]
 
 MAX_M = 16  # the most rows a launch takes (the dot path pads M to 16)
-_PLAIN, _RMS, _ACT = 0, 1, 2  # prologues
+PROLOGUES = ("plain", "norm", "act")  # f(x) = x, RMSNorm(x [+ residual]), act(gate) * up
+_PLAIN, _RMS, _ACT = 0, 1, 2  # their ids in the kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,32 +71,41 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
-# (M bucket: 1, 2, 4, 8 or 16; N; K) -> config. Entries pin the winners of
+# (prologue, M bucket: 1, 2, 4, 8 or 16, N, K) -> config. Entries pin the winners of
 # ``benchmarks/gpu_gemv.py`` on the H200; shapes not listed take ``_rule_of_thumb``.
-CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {}
 _INTERPRET_CONFIG = GemvConfig(block_n=32, block_k=64, num_warps=1, num_stages=1)
-_SMS = 132  # H200 multiprocessors: the rule of thumb aims at >= 3 programs per SM
+_SMS = 132  # H200 multiprocessors
+_SLOTS = 6 * _SMS  # M == 1 programs resident at once (~80 registers x 128 threads each)
 
 
 def _m_bucket(m: int) -> int:
     return 1 if m <= 1 else triton.next_power_of_2(m)
 
 
-def _rule_of_thumb(m: int, n: int, k: int) -> GemvConfig:
-    """Enough programs to keep every SM streaming (no split-K); W tiles of 8-16 KB, and for M == 1
-    an fp32 tile of at most 8K elements (64 registers a thread at 4 warps)."""
+def _rule_of_thumb(m: int, n: int, k: int, prologue: str) -> GemvConfig:
+    """No split-K, so the grid is N / block_n programs. For M == 1, 4K-element tiles (8 KB of
+    bf16, 32 fp32 accumulators a thread at 4 warps) and the widest block_n whose grid is one
+    round of resident programs with >= 3 per SM (enough bytes in flight, no tail round); where
+    none is, narrow rows over many rounds (the last round short). The weight loads are
+    pipelined (3 stages), except under the norm prologue, whose pipelined row loads cost too
+    many registers (sm_90 builds: 110-240 a thread against 64-86). With M > 1, ``tl.dot``
+    tiles of 16 x block_n x block_k, >= 3 programs per SM."""
     if m == 1:
-        block_n = next((b for b in (32, 16, 8) if triton.cdiv(n, b) >= 3 * _SMS), 4)
-        return GemvConfig(block_n, min(8192 // block_n, triton.next_power_of_2(k)), num_warps=4, num_stages=2)
+        fits = [b for b in (64, 32, 16, 8, 4) if 3 * _SMS <= triton.cdiv(n, b) <= _SLOTS]
+        block_n = fits[0] if fits else 8 if triton.cdiv(n, 8) > _SLOTS else 4
+        block_k = min(4096 // block_n, triton.next_power_of_2(k))
+        return GemvConfig(block_n, block_k, num_warps=4, num_stages=1 if prologue == "norm" else 3)
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 3 * _SMS), 16)
-    return GemvConfig(block_n, min(256, triton.next_power_of_2(k)), num_warps=4, num_stages=3, dot=True)
+    block_k = min(128 if block_n == 64 else 256, triton.next_power_of_2(k))
+    return GemvConfig(block_n, block_k, num_warps=4, num_stages=3, dot=True)
 
 
-def config_for(m: int, n: int, k: int) -> GemvConfig:
-    """The pinned config of (M, N, K): ``CONFIGS``, else the rule of thumb; the interpreter's."""
+def config_for(m: int, n: int, k: int, prologue: str = "plain") -> GemvConfig:
+    """The pinned config of a product: ``CONFIGS``, else the rule of thumb; the interpreter's."""
     if env.triton_interpret():
         return _INTERPRET_CONFIG
-    return CONFIGS.get((_m_bucket(m), n, k)) or _rule_of_thumb(m, n, k)
+    return CONFIGS.get((prologue, _m_bucket(m), n, k)) or _rule_of_thumb(m, n, k, prologue)
 
 
 # fmt: off
@@ -142,7 +153,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, sx, sr,
                  K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr):
+                 NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     m_ok = rows < M
@@ -159,7 +170,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, sx, sr,
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # pipelined loads (cp.async)
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         if EVEN_K:
@@ -186,11 +197,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, sx, sr,
 
 
 def _norm_block(block_m: int, k: int, block_k: int) -> int:
-    """Columns per step of the sum-of-squares pass: whole rows where they fit in ~8K elements (one
-    round trip to L2 before the first weight load), else block_k."""
+    """Columns per step of the sum-of-squares pass: whole rows where they fit in 4K elements (one
+    round trip to L2 before the first weight load at M == 1, K <= 4096), at most 32 fp32 values a
+    thread at 4 warps (more would raise the registers of the whole kernel)."""
     if env.triton_interpret():
         return block_k
-    return max(block_k, min(triton.next_power_of_2(k), 8192 // block_m))
+    return min(triton.next_power_of_2(k), max(16, 4096 // block_m))
 
 
 def _check(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
@@ -214,7 +226,7 @@ def _launch(x, residual, norm_weight, weight, bias, s_out, k, eps, prologue, act
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or config_for(m, n, k)
+    cfg = config or config_for(m, n, k, PROLOGUES[prologue])
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     res = residual if residual is not None else x
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -222,7 +234,8 @@ def _launch(x, residual, norm_weight, weight, bias, s_out, k, eps, prologue, act
         y, s_out if s_out is not None else y, m, n, x.stride(0), res.stride(0), weight.stride(0), y.stride(0),
         float(eps), K=k, PROLOGUE=prologue, HAS_RES=residual is not None, ACT=act, HAS_BIAS=bias is not None,
         DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=_norm_block(block_m, k, cfg.block_k), EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=_norm_block(block_m, k, cfg.block_k),
+        EVEN_K=k % cfg.block_k == 0, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
