@@ -4,7 +4,8 @@ llama (Llama 1/2 MHA, Llama 3 GQA), mistral (sliding window), qwen2 (QKV bias), 
 RMSNorm, head_dim apart from hidden/heads), phi3 (checkpoints with fused qkv and gate_up) and
 starcoder2 (LayerNorm with biases, a plain GELU MLP). The differences are ``arch.options``, a
 ``LlamaOptions`` the family's reader filled; the forward is one code path, with the residual
-add fused into the next norm. ``LlamaAttention`` is also the attention of the MoE families,
+add fused into the next norm, and at decode sizes on CUDA each RMSNorm fused into the linear
+after it and the gated activation into down_proj (``layers/gemv.py``). ``LlamaAttention`` is also the attention of the MoE families,
 GPT-OSS, Jamba and MiniMax.
 """
 
