@@ -11,11 +11,18 @@ gets, issue #21's "no tuning flags"); ``--max-num-seqs`` / ``--max-num-batched-t
 them instead (the earlier tuned figures: 256 and 16384).
 
     python benchmarks/gpu_engine.py [--skip-hf] [--max-num-seqs N] [--max-num-batched-tokens N] [--json out.json]
+
+``--small-m-gemv on,off`` runs the latency rows once per setting of the fused small-M linears
+(``ATTNSERVE_SMALL_M_GEMV``, read when each ``LLM`` is built), as ``latency_8b_gemv_on`` /
+``latency_8b_gemv_off`` (a single setting keeps the plain row names):
+
+    python benchmarks/gpu_engine.py --skip-nano --skip-sync --small-m-gemv on,off
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -23,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,16 +44,34 @@ from attnserve.presets import resolve_config_path  # noqa: E402
 BANDWIDTH = 4.25e12
 
 
+@contextlib.contextmanager
+def small_m_gemv(setting: str | None) -> Iterator[None]:
+    """``ATTNSERVE_SMALL_M_GEMV`` set to ``setting`` ("on" / "off"; None: as given) within."""
+    before = os.environ.get("ATTNSERVE_SMALL_M_GEMV")
+    if setting is not None:
+        os.environ["ATTNSERVE_SMALL_M_GEMV"] = "1" if setting == "on" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("ATTNSERVE_SMALL_M_GEMV", None)
+        else:
+            os.environ["ATTNSERVE_SMALL_M_GEMV"] = before
+
+
 def model_dir(name: str) -> str:
     d = tempfile.mkdtemp(prefix="attnserve_bench_")
     shutil.copy(resolve_config_path(name), Path(d) / "config.json")
     return d
 
 
-def latency_8b(input_len: int = 128, output_len: int = 256, async_scheduling: bool | None = None) -> dict:
+def latency_8b(input_len: int = 128, output_len: int = 256, async_scheduling: bool | None = None,
+               gemv: str | None = None) -> dict:
+    """``gemv``: "on" / "off" sets ``ATTNSERVE_SMALL_M_GEMV`` while the engine is built (None: as given)."""
     d = model_dir("meta-llama/Llama-3.1-8B-Instruct")
-    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85,
-              async_scheduling=async_scheduling)
+    with small_m_gemv(gemv):
+        llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85,
+                  async_scheduling=async_scheduling)
     cfg = json.loads((Path(d) / "config.json").read_text())
     params = sum(p.numel() for p in llm.llm_engine.runner.model.parameters())
     weight_bytes = (params - cfg["vocab_size"] * cfg["hidden_size"]) * 2  # the input embedding is not read
@@ -73,7 +99,7 @@ def latency_8b(input_len: int = 128, output_len: int = 256, async_scheduling: bo
     torch.cuda.empty_cache()
     return {"params": params, "weight_bytes": weight_bytes, "request_s": elapsed, "prefill_s": prefill,
             "decode_tok_s": decode_tps, "floor_tok_s": 1 / floor_s, "fraction_of_floor": decode_tps * floor_s,
-            "async_scheduling": async_scheduling}
+            "async_scheduling": async_scheduling, "small_m_gemv": gemv or "default"}
 
 
 def _count_compiles(stop: bool = False) -> list[str]:
@@ -214,6 +240,21 @@ def throughput_hf(reqs, batch: int = 256, budget_s: float = 150.0) -> dict:
             "complete": complete, "note": None if complete else f"stopped after {budget_s:.0f} s (upper bound)"}
 
 
+def latency_steps(args) -> list:
+    """(name, fn) of the latency rows: async, and sync unless --skip-sync; once per
+    --small-m-gemv setting (suffixed ``_gemv_on`` / ``_gemv_off`` when there are several)."""
+    settings = args.small_m_gemv.split(",") if args.small_m_gemv else [None]
+    if any(g not in (None, "on", "off") for g in settings):
+        raise SystemExit(f"--small-m-gemv takes on, off or on,off; got {args.small_m_gemv}")
+    steps = []
+    for g in settings:
+        tag = f"_gemv_{g}" if len(settings) > 1 else ""
+        steps.append((f"latency_8b{tag}", lambda g=g: latency_8b(gemv=g)))
+        if not args.skip_sync:
+            steps.append((f"latency_8b_sync{tag}", lambda g=g: latency_8b(async_scheduling=False, gemv=g)))
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-hf", action="store_true")
@@ -226,6 +267,8 @@ def main() -> None:
                     help="transformers peer: padded generate, continuous batching (generate_batch), or both")
     ap.add_argument("--limits", nargs="+", default=[], metavar="SEQSxTOKENS",
                     help="extra nano-vllm runs with these max_num_seqs x max_num_batched_tokens (e.g. 256x16384)")
+    ap.add_argument("--small-m-gemv", default=None, metavar="on,off",
+                    help="latency rows once per setting of the fused small-M linears (ATTNSERVE_SMALL_M_GEMV)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the platform's")
@@ -247,7 +290,7 @@ def main() -> None:
     if args.skip_nano:
         steps = []
     if not args.skip_latency:
-        steps[:0] = [("latency_8b", latency_8b), ("latency_8b_sync", lambda: latency_8b(async_scheduling=False))]
+        steps[:0] = latency_steps(args)
     if not args.skip_hf and not args.skip_nano and args.hf in ("continuous", "both"):
         steps.append(("nano_vllm_transformers_cb", lambda: throughput_hf_continuous(reqs)))
     if not args.skip_hf and not args.skip_nano and args.hf in ("generate", "both"):
@@ -269,11 +312,13 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
     print("\n| benchmark | result |\n| --- | --- |")
-    for key, label in (("latency_8b", "async"), ("latency_8b_sync", "sync")):
-        if key in result:
-            r = result[key]
-            print(f"| Llama-3.1-8B shape, batch 1 decode ({label}) | {r['decode_tok_s']:.1f} tok/s; floor "
-                  f"{r['floor_tok_s']:.0f} tok/s ({r['fraction_of_floor']:.0%} of it) |")
+    for key in [k for k in result if k.startswith("latency_8b") and not k.endswith("_error")]:
+        r = result[key]
+        label = "async" if r["async_scheduling"] else "sync"
+        if r["small_m_gemv"] != "default":
+            label += f", small-M GEMV {r['small_m_gemv']}"
+        print(f"| Llama-3.1-8B shape, batch 1 decode ({label}) | {r['decode_tok_s']:.1f} tok/s; floor "
+              f"{r['floor_tok_s']:.0f} tok/s ({r['fraction_of_floor']:.0%} of it) |")
     peers = [(k, result[k]) for k in ("nano_vllm_transformers_cb", "nano_vllm_transformers") if k in result]
     for key in [k for k in result if k.startswith("nano_vllm_attnserve")]:
         r = result[key]

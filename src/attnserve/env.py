@@ -10,6 +10,7 @@ import os
 
 __all__ = [
     "mla_disabled",
+    "small_m_gemv",
     "triton_interpret",
     "log_level",
     "log_stats_interval",
@@ -28,6 +29,13 @@ def _flag(name: str) -> bool:
 def mla_disabled() -> bool:
     """``ATTNSERVE_MLA_DISABLE=1``: run MLA models with an expanded K/V cache."""
     return _flag("ATTNSERVE_MLA_DISABLE")
+
+
+def small_m_gemv() -> bool:
+    """``ATTNSERVE_SMALL_M_GEMV=0``: decode-sized linears (M <= 16 rows) run their separate
+    norm/activation kernel and cuBLAS instead of the fused small-M kernels (``layers/gemv.py``);
+    read when a model is built, so an A/B comparison builds one engine per setting."""
+    return os.environ.get("ATTNSERVE_SMALL_M_GEMV", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def triton_interpret() -> bool:

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {
     "gpu_gdn": ["--smoke"],
+    "gpu_gemv": ["--smoke"],
     "gpu_graphs": ["--smoke"],
     "gpu_hybrid_prefix": ["--smoke"],
     "gpu_mechanisms": ["--smoke"],

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from attnserve.layers.fused import act_and_mul
 
-__all__ = ["get_act_fn", "gated"]
+__all__ = ["fused_act_name", "gated", "get_act_fn"]
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -44,9 +44,15 @@ def get_act_fn(name: str):
         raise ValueError(f"unsupported activation '{name}' (supported: {', '.join(sorted(_ACTS))})") from None
 
 
+def fused_act_name(act) -> str | None:
+    """The ``FUSED_ACTS`` name of an activation function from ``get_act_fn``; None where no
+    fused kernel computes it."""
+    return _FUSED_NAMES.get(act)
+
+
 def gated(gate_up: torch.Tensor, act) -> torch.Tensor:
     """[..., 2I] laid out [gate | up] -> act(gate) * up, [..., I]."""
-    fused = _FUSED_NAMES.get(act)
+    fused = fused_act_name(act)
     if fused is not None:
         return act_and_mul(gate_up, fused)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.layers import gemv
 from attnserve.layers.activation import gated, get_act_fn
 from attnserve.layers.fused import uses_kernel
 from attnserve.layers.linear import MergedLinear, Target, gate_up_rename, prefixed
@@ -359,9 +360,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = get_act_fn(act)
+        self.small_m_gemv = gemv.enabled()  # decode sizes: small-M kernels, activation fused into down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated(self.gate_up_proj(x), self.act))
+        return self.down(gemv.linear(x, self.gate_up_proj, self.small_m_gemv))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(act(gate) * up) from the gate_up projection [T, 2I]."""
+        return gemv.act_linear(gate_up, self.act, self.down_proj, self.small_m_gemv)
 
     @staticmethod
     def rename(suffix: str) -> Target:

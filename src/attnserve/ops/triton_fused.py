@@ -22,10 +22,10 @@ import triton.language as tl
 
 from attnserve import env
 
-__all__ = ["FUSED_ACTS", "act_and_mul", "rms_norm", "rotary"]
+__all__ = ["ACT_IDS", "FUSED_ACTS", "act_and_mul", "gated_product", "rms_norm", "rotary"]
 
 FUSED_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
-_ACT_IDS = {name: i for i, name in enumerate(FUSED_ACTS)}
+ACT_IDS = {name: i for i, name in enumerate(FUSED_ACTS)}
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
 _TANH_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 
@@ -215,12 +215,10 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, table_ptr, pos_ptr, sq_t, sq_h,
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, inter, s_x, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + t * s_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+def gated_product(gate, up, ACT: tl.constexpr):
+    """``act(gate) * up`` in gate's dtype, rounded as torch rounds it: the activation (fp32
+    math, ``ACT`` an index into ``FUSED_ACTS``) is cast to the dtype before the product.
+    ``up`` may be of any float dtype (it is up-cast)."""
     ty = gate.dtype
     g = gate.to(tl.float32)
     if ACT == 0:  # silu
@@ -230,9 +228,17 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, s_x, ACT: tl.constexpr, BLOCK: tl
     else:  # gelu, tanh approximation; tanh(y) = 1 - 2 / (1 + exp(2y)), saturating at +-1
         y2 = 2.0 * _TANH_BETA * (g + 0.044715 * g * g * g)
         a = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(tl.minimum(y2, 40.0))))  # tanh(20) == 1 in fp32
-    # as act(gate) * up in torch: the activation is rounded to the dtype before the product
-    out = a.to(ty).to(tl.float32) * up
-    tl.store(out_ptr + t * inter + cols, out.to(ty), mask=mask)
+    return (a.to(ty).to(tl.float32) * up.to(tl.float32)).to(ty)
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, s_x, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * s_x + inter + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * inter + cols, gated_product(gate, up, ACT), mask=mask)
 # fmt: on
 
 
@@ -345,7 +351,7 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     Returns:
         [..., I] in gate_up's dtype, a new contiguous tensor.
     """
-    if act not in _ACT_IDS:
+    if act not in ACT_IDS:
         raise ValueError(f"unsupported fused activation '{act}' (supported: {FUSED_ACTS})")
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up last dim {gate_up.shape[-1]} is odd")
@@ -359,6 +365,6 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), _block_elems() // 2)
     grid = (rows.shape[0], triton.cdiv(inter, block))
     _act_and_mul_kernel[grid](
-        rows, out, inter, rows.stride(0), ACT=_ACT_IDS[act], BLOCK=block, num_warps=_warps(block)
+        rows, out, inter, rows.stride(0), ACT=ACT_IDS[act], BLOCK=block, num_warps=_warps(block)
     )
     return out
