@@ -185,7 +185,8 @@ def test_dispatch(monkeypatch):
     calls = _count_kernel_calls(monkeypatch)
     torch.manual_seed(0)
     lin, norm, down = nn.Linear(K, N), RMSNorm(K, 1e-5), nn.Linear(K, N)
-    x, res, gate_up = torch.randn(4, K), torch.randn(4, K), torch.randn(4, 2 * K)
+    m = gemv.MAX_M  # the most rows that take the kernels
+    x, res, gate_up = torch.randn(m, K), torch.randn(m, K), torch.randn(m, 2 * K)
     silu = get_act_fn("silu")
 
     def run(**kw):
@@ -251,6 +252,7 @@ _TINY = {
 @torch.no_grad()
 def test_model_decode_kernels_on_equals_off(family, monkeypatch):
     calls = _count_kernel_calls(monkeypatch)
+    monkeypatch.setattr(gemv, "MAX_M", triton_gemv.MAX_M)  # the dot path (M > 1) too, off by default
     cfg = {"hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6, "hidden_act": "silu",
            "max_position_embeddings": 256, **_TINY[family]}

@@ -54,7 +54,11 @@ __all__ = [
     "override_impl",
 ]
 
-MAX_M = 16  # the largest decode batch that runs the kernels; at most triton_gemv.MAX_M
+# the largest decode batch that runs the kernels; at most triton_gemv.MAX_M. The H200 sweep
+# (benchmarks/gpu_gemv.py, 2026-12-02): at M == 1 the fused kernels beat cuBLAS plus the separate
+# norm / activation on every shape; from M == 2 cuBLAS won (the tl.dot path reached 45-82% of
+# bandwidth against cuBLAS's 75-99%, and the act prologue 13-57%)
+MAX_M = 1
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _IMPLS = ("triton", "torch")
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnserve_gemv_impl", default=None)

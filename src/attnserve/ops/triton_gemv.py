@@ -73,7 +73,15 @@ class GemvConfig:
 
 # (prologue, M bucket: 1, 2, 4, 8 or 16, N, K) -> config. Entries pin the winners of
 # ``benchmarks/gpu_gemv.py`` on the H200; shapes not listed take ``_rule_of_thumb``.
-CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {}
+# The H200 sweep of 2026-12-02 (M == 1; at M >= 2 cuBLAS won every shape, layers/gemv.MAX_M):
+CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {
+    ("norm", 1, 6144, 4096): GemvConfig(8, 1024, 4, 3),  # Llama-3.1-8B qkv: 16.9 us (70%)
+    ("norm", 1, 28672, 4096): GemvConfig(8, 1024, 4, 3),  # gate_up: 60.3 us (92%)
+    ("plain", 1, 4096, 4096): GemvConfig(8, 512, 4, 3),  # o_proj: 10.7 us (74%)
+    ("act", 1, 4096, 14336): GemvConfig(8, 512, 4, 3),  # down: 29.6 us (94%)
+    ("norm", 1, 4096, 1024): GemvConfig(4, 1024, 4, 3),  # Qwen3-0.6B qkv
+    ("norm", 1, 6144, 1024): GemvConfig(8, 1024, 4, 3),  # Qwen3-0.6B gate_up
+}
 _INTERPRET_CONFIG = GemvConfig(block_n=32, block_k=64, num_warps=1, num_stages=1)
 _SMS = 132  # H200 multiprocessors
 _SLOTS = 6 * _SMS  # M == 1 programs resident at once (~80 registers x 128 threads each)
@@ -88,14 +96,16 @@ def _rule_of_thumb(m: int, n: int, k: int, prologue: str) -> GemvConfig:
     bf16, 32 fp32 accumulators a thread at 4 warps) and the widest block_n whose grid is one
     round of resident programs with >= 3 per SM (enough bytes in flight, no tail round); where
     none is, narrow rows over many rounds (the last round short). The weight loads are
-    pipelined (3 stages), except under the norm prologue, whose pipelined row loads cost too
-    many registers (sm_90 builds: 110-240 a thread against 64-86). With M > 1, ``tl.dot``
+    pipelined (3 stages; under the norm prologue too, where sm_90 builds take 110-240 registers
+    a thread against 64-86, and the H200 still ran it fastest). With M > 1, ``tl.dot``
     tiles of 16 x block_n x block_k, >= 3 programs per SM."""
     if m == 1:
         fits = [b for b in (64, 32, 16, 8, 4) if 3 * _SMS <= triton.cdiv(n, b) <= _SLOTS]
         block_n = fits[0] if fits else 8 if triton.cdiv(n, 8) > _SLOTS else 4
         block_k = min(4096 // block_n, triton.next_power_of_2(k))
-        return GemvConfig(block_n, block_k, num_warps=4, num_stages=1 if prologue == "norm" else 3)
+        # the norm prologue's sm_90 builds use more registers pipelined, but the H200 sweep
+        # still found 3 stages fastest at every shape
+        return GemvConfig(block_n, block_k, num_warps=4, num_stages=3)
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 3 * _SMS), 16)
     block_k = min(128 if block_n == 64 else 256, triton.next_power_of_2(k))
     return GemvConfig(block_n, block_k, num_warps=4, num_stages=3, dot=True)
