@@ -236,6 +236,7 @@ class _EngineLoop(AsyncLLMEngine):
             except (EOFError, OSError):
                 cmd = _STOP_COMMAND
             if isinstance(cmd, _AddCommand):
+                self._compile(cmd.params)
                 self._commands.put(_Add(cmd.request_id, cmd.prompt, cmd.params, _RemoteSink(cmd.key, self.outbox)))
             elif isinstance(cmd, _AbortCommand):
                 self._commands.put(_Abort(cmd.request_id))
@@ -246,6 +247,16 @@ class _EngineLoop(AsyncLLMEngine):
             else:
                 self._commands.put(_STOP)
                 return
+
+
+    def _compile(self, params: Any) -> None:
+        """Compile a request's constraint here, off the loop (the frontend compiled it too, in
+        its own process): the loop's own compile is then a cache hit, as in one process."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            try:
+                self._engine.structured.compile(params.structured_outputs)
+            except Exception:  # noqa: BLE001 - the loop refuses the request, with the reason
+                pass
 
 
 def _outcome(future: concurrent.futures.Future) -> tuple[bool, Any]:
@@ -289,6 +300,7 @@ def run_engine_process(config: EngineConfig, log_stats_interval: float | None, l
     except BaseException as e:  # noqa: BLE001 - any start-up failure goes to the frontend
         outputs.send_bytes(_dumps(_StartupFailed(_portable(e), traceback.format_exc())))
         return
+    engine.structured.warm_up()  # as a server does before its first request (xgrammar's import)
     outbox = _Outbox()
     loop = _EngineLoop(engine, log_stats_interval, outbox)
     outputs.send_bytes(_dumps(_Ready(EngineFacts.of(engine))))
