@@ -66,7 +66,7 @@ def main() -> None:
     encoder, assemblers = OutputEncoder(), {}
     first = _build_message(encoder, [("out", i, o, None) for i, o in enumerate(steps[0])], None)
     for d in first.deltas:  # the prompts, sent once, are not part of a steady step
-        assemblers.setdefault(d.key, OutputAssembler(f"r{d.key}")).apply(d)
+        assemblers.setdefault(d[0], OutputAssembler(f"r{d[0]}")).apply(d)
 
     reader_conn, writer_conn = multiprocessing.Pipe(duplex=False)
     received: list[bytes] = []
@@ -95,7 +95,7 @@ def main() -> None:
         msg = pickle.loads(received.pop())
         t4 = time.perf_counter()
         for d in msg.deltas:
-            assemblers[d.key].apply(d)
+            assemblers[d[0]].apply(d)
         t5 = time.perf_counter()
         for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             t[k] += dt

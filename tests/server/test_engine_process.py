@@ -28,7 +28,7 @@ import pytest
 from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import PromptError
 from attnserve.engine.engine_client import EngineDeadError
-from attnserve.engine.engine_process import EngineProcessClient
+from attnserve.engine.engine_process import EngineProcessClient, _build_message
 from attnserve.engine.output_deltas import OutputAssembler, OutputEncoder
 from attnserve.entrypoints.openai.api_server import build_app
 from attnserve.outputs import CompletionOutput, RequestOutput
@@ -79,20 +79,21 @@ def _run_all(engine, reqs) -> list[list[RequestOutput]]:
     return asyncio.run(main())
 
 
+def _approx(x):
+    """``x`` with its floats (logprobs) compared to 4 digits: a batch split differently between
+    steps moves them in the 7th."""
+    if isinstance(x, float):
+        return pytest.approx(x, rel=1e-4, abs=1e-6)
+    if isinstance(x, dict):
+        return {k: _approx(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_approx(v) for v in x]
+    return x
+
+
 def _comparable(out: RequestOutput):
-    """``out`` as plain data: the timestamps' names only, floats (logprobs) to 4 digits (a batch
-    split differently between steps moves them in the 7th)."""
-
-    def plain(x):
-        if isinstance(x, float):
-            return pytest.approx(x, rel=1e-4, abs=1e-6)
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        return x
-
-    return plain({**dataclasses.asdict(out), "metrics": sorted(out.metrics)})
+    """``out`` as plain data, the timestamps' names only."""
+    return _approx({**dataclasses.asdict(out), "metrics": sorted(out.metrics)})
 
 
 def test_deltas_rebuild_every_output_exactly(reference):
@@ -122,6 +123,21 @@ def test_a_stop_string_that_cuts_sent_text_is_rebuilt():
 
     for o in (out("xya", [5, 6], False), out("xy", [5, 6, 7], True)):
         assert assembler.apply(encoder.encode(0, o)) == o
+
+
+def test_a_message_carries_each_request_s_latest_output_only():
+    """Steps queued while the sender was blocked go as one message: each request's latest
+    (cumulative) output, none for a request aborted meanwhile."""
+    def out(rid: str, tokens: list[int]) -> RequestOutput:
+        return RequestOutput(rid, None, [1], None, [CompletionOutput(0, "ab" * len(tokens), tokens)], False)
+
+    encoder = OutputEncoder()
+    items = [("out", 0, out("a", [5]), None), ("out", 1, out("b", [6]), None), ("out", 0, out("a", [5, 7]), None),
+             ("forget", 1), ("error", 2, PromptError("bad")), ("result", 9, True, 42)]
+    msg = _build_message(encoder, items, None)
+    assert [d[0] for d in msg.deltas] == [0] and [(k, str(e)) for k, e in msg.errors] == [(2, "bad")]
+    assert OutputAssembler("a").apply(msg.deltas[0]) == out("a", [5, 7]) and msg.results == [(9, True, 42)]
+    assert len(encoder) == 1  # request 1 was forgotten
 
 
 def test_outputs_equal_the_engine_thread(proc, thread_engine):
@@ -154,11 +170,19 @@ def test_http_responses_equal_the_engine_thread(proc, thread_engine):
             stream = await c.post("/v1/completions", json={**body, "stream": True})
             events = [json.loads(line[6:]) for line in stream.text.splitlines()
                       if line.startswith("data: ") and line != "data: [DONE]"]
-        for response in (whole, *events):
-            response.pop("id"), response.pop("created")
-        return whole, events
+        whole.pop("id"), whole.pop("created")
+        # a stream's events may each carry several tokens (a consumer behind gets them at once)
+        streamed = {"text": "", "tokens": [], "token_logprobs": [], "finish_reason": None}
+        for choice in (c for e in events for c in e["choices"]):
+            streamed["text"] += choice["text"]
+            streamed["tokens"] += choice["logprobs"]["tokens"] if choice["logprobs"] else []
+            streamed["token_logprobs"] += choice["logprobs"]["token_logprobs"] if choice["logprobs"] else []
+            streamed["finish_reason"] = choice["finish_reason"] or streamed["finish_reason"]
+        return whole, streamed
 
-    assert asyncio.run(ask(proc)) == asyncio.run(ask(thread_engine))
+    (got_whole, got_streamed), (want_whole, want_streamed) = asyncio.run(ask(proc)), asyncio.run(ask(thread_engine))
+    assert got_whole == _approx(want_whole) and got_streamed == _approx(want_streamed)
+    assert got_streamed["text"] == got_whole["choices"][0]["text"] and got_streamed["finish_reason"] == "length"
 
 
 def test_abort_frees_the_request_in_the_engine_process(proc):
@@ -254,6 +278,25 @@ def test_shutdown_ends_running_requests_and_leaves_no_process(model_dir):
     client.shutdown()  # again: nothing happens
 
 
+def _break_scheduler(engine) -> None:
+    def boom(*args, **kwargs):
+        raise RuntimeError("scheduler exploded")
+
+    engine.scheduler.schedule = boom
+
+
+def test_an_engine_failure_ends_requests_with_its_reason(model_dir):
+    """The loop failing in the child (not a step it contains): streams get EngineDeadError
+    naming the failure, ``error`` is the child's exception, the process exits."""
+    client = EngineProcessClient.from_kwargs(str(model_dir), **ENGINE_KWARGS)
+    client.call(_break_scheduler).result(timeout=10)
+    with pytest.raises(EngineDeadError, match="scheduler exploded"):
+        asyncio.run(asyncio.wait_for(_collect(client, "z", [3, 4], SamplingParams(max_tokens=2)), 30))
+    assert not client.is_alive and isinstance(client.error, RuntimeError) and "exploded" in str(client.error)
+    client.shutdown()
+    assert client._process.exitcode == 0
+
+
 def test_a_start_up_error_arrives_with_its_message(model_dir, tmp_path):
     with pytest.raises(TypeError, match="unknown engine option 'bogus'"):  # the config: checked here
         EngineProcessClient.from_kwargs(str(model_dir), bogus=1)
@@ -271,7 +314,7 @@ def test_a_start_up_error_arrives_with_its_message(model_dir, tmp_path):
 
 def test_the_engine_process_exits_when_its_frontend_dies(model_dir):
     script = (f"import sys, time; sys.path[:0] = [{str(ROOT / 'src')!r}]\n"
-              "from attnserve.engine.engine_process import EngineProcessClient\n"
+              "from attnserve.engine.engine_process import EngineProcessClient, _build_message\n"
               "if __name__ == '__main__':\n"
               f"    c = EngineProcessClient.from_kwargs({str(model_dir)!r}, kv_cache_memory=0.01)\n"
               "    print(c._process.pid, flush=True)\n"

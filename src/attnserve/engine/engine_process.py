@@ -119,7 +119,7 @@ class _StepMessage:
     results: list[tuple[int, bool, Any]] = field(default_factory=list)  # (call id, ok, value or error)
     stats: EngineStats | None = None
     dead: str | None = None  # the loop stopped: why (the EngineDeadError's message)
-    failed: bool = False  # ... because it failed (not a shutdown)
+    error: BaseException | None = None  # ... what failed it (None: a shutdown)
 
 
 # --- the engine process ------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ class _Outbox:
         self._stats: EngineStats | None = None
         self._sent_stats: EngineStats | None = None
         self._ready = False
-        self._dead: tuple[str, bool] | None = None
+        self._dead: tuple[str, BaseException | None] | None = None
 
     def add(self, item: tuple) -> None:
         with self._cond:
@@ -161,9 +161,9 @@ class _Outbox:
                 self._ready = True
                 self._cond.notify()
 
-    def close(self, message: str, failed: bool) -> None:
+    def close(self, message: str, error: BaseException | None) -> None:
         with self._cond:
-            self._dead = (message, failed)
+            self._dead = (message, error)
             self._ready = True
             self._cond.notify()
 
@@ -178,7 +178,7 @@ class _Outbox:
                 self._items, self._stats, self._ready = [], None, False
             msg = _build_message(encoder, items, stats)
             if dead is not None:
-                msg.dead, msg.failed = dead
+                msg.dead, msg.error = dead
             try:
                 data = _dumps(msg)
             except Exception:  # a bug: die loudly rather than leave the frontend waiting
@@ -310,8 +310,9 @@ def run_engine_process(config: EngineConfig, log_stats_interval: float | None, l
     threading.Thread(target=loop.read_commands, args=(commands,), name="attnserve-engine-reader",
                      daemon=True).start()
     loop._run()  # returns once stopped or failed; the requests it held got EngineDeadError
-    failed = loop.error is not None
-    outbox.close(f"the engine failed: {loop.error!r}" if failed else "the engine was shut down", failed)
+    error = loop.error
+    outbox.close(f"the engine failed: {error!r}" if error is not None else "the engine was shut down",
+                 _portable(error) if error is not None else None)
     sender.join(10)
 
 
@@ -514,8 +515,7 @@ class EngineProcessClient:
             self._handle(msg)
             if msg.dead is not None:
                 error = EngineDeadError(msg.dead)
-                if msg.failed:
-                    self._error = error
+                self._error = msg.error
         self._outputs.close()
         self._fail_all(error)
 
@@ -525,13 +525,13 @@ class EngineProcessClient:
         with self._lock:
             streams = self._streams
             for delta in msg.deltas:
-                stream = streams.get(delta.key)
+                stream = streams.get(delta[0])
                 if stream is None:  # aborted here while the step ran
                     continue
                 out = stream.assembler.apply(delta)
                 if out.finished:
-                    del streams[delta.key]
-                    self._forget(delta.key, stream)
+                    del streams[delta[0]]
+                    self._forget(delta[0], stream)
                 batch.append((stream.sink, out))
             for key, exc in msg.errors:
                 stream = streams.pop(key, None)

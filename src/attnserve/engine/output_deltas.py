@@ -10,8 +10,9 @@ one per request) applies the deltas in order and returns ``RequestOutput`` objec
 by field, to the engine's.
 
 Token ids and logprob entries are append-only in the engine (a preempted or rerun request keeps
-its output tokens); prompt logprobs grow as prefill chunks run. Logprob entries travel as tuples
-(``Logprob`` dataclasses pickle several times slower).
+its output tokens); prompt logprobs grow as prefill chunks run. Deltas and logprob entries are
+plain tuples, their layout named by the aliases below: named tuples and dataclasses pickle and
+unpickle through Python code, 3-6 times slower, and a step moves a few hundred deltas.
 
 Not here: the pipe, the messages around the deltas (``engine_process.py``).
 """
@@ -19,35 +20,25 @@ Not here: the pipe, the messages around the deltas (``engine_process.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["CompletionDelta", "OutputAssembler", "OutputEncoder", "RequestDelta"]
 
-# one logprob entry (a position's {token id: Logprob}) as tuples: ((id, logprob, rank, text), ...)
-_Entry = tuple[tuple[int, float, "int | None", "str | None"], ...]
+# one logprob entry (a position's {token id: Logprob}): ((token id, logprob, rank, text), ...)
+_Entry = tuple[tuple[int, float, int | None, str | None], ...]
 
+# (index, new token ids, characters of the text sent before that stay, characters appended after
+# them, new logprob entries (None: the completion has none), cumulative logprob, finish reason,
+# stop reason)
+CompletionDelta = tuple[int, list[int], int, str, list[_Entry] | None, float | None, str | None,
+                        int | str | None]
 
-class CompletionDelta(NamedTuple):
-    index: int
-    token_ids: list[int]  # new since the last delta
-    text_keep: int  # characters of the text sent before that stay
-    text: str  # characters appended after them
-    logprobs: list[_Entry] | None  # new entries; None: the completion has no logprobs
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-class RequestDelta(NamedTuple):
-    key: int  # the frontend's number for the request (request ids may be reused)
-    prompt: tuple[str | None, list[int]] | None  # (text, token ids): in the first delta only
-    prompt_logprobs: list[_Entry | None] | None  # new entries; None: none requested
-    completions: list[CompletionDelta]
-    finished: bool
-    num_cached_tokens: int
-    metrics: dict[str, float]
+# (key: the frontend's number for the request (ids may be reused), (prompt text, prompt token ids)
+# in the first delta only (else None), new prompt logprob entries (None: none asked), the
+# completions' deltas, finished, num_cached_tokens, metrics)
+RequestDelta = tuple[int, tuple[str | None, list[int]] | None, list[_Entry | None] | None,
+                     list[CompletionDelta], bool, int, dict[str, float]]
 
 
 def _encode_entry(entry: dict[int, Logprob] | None) -> _Entry | None:
@@ -104,8 +95,8 @@ class OutputEncoder:
         completions = [self._encode_completion(c, s) for c, s in zip(out.outputs, sent.completions)]
         if out.finished:
             del self._sent[key]
-        return RequestDelta(key, (out.prompt, out.prompt_token_ids) if first else None, plp, completions,
-                            out.finished, out.num_cached_tokens, out.metrics)
+        return (key, (out.prompt, out.prompt_token_ids) if first else None, plp, completions, out.finished,
+                out.num_cached_tokens, out.metrics)
 
     @staticmethod
     def _encode_completion(c: CompletionOutput, sent: _SentCompletion) -> CompletionDelta:
@@ -124,8 +115,7 @@ class OutputEncoder:
         if c.logprobs is not None:
             logprobs = [_encode_entry(e) for e in c.logprobs[sent.num_logprobs:]]
             sent.num_logprobs = len(c.logprobs)
-        return CompletionDelta(c.index, tokens, keep, added, logprobs, c.cumulative_logprob, c.finish_reason,
-                               c.stop_reason)
+        return c.index, tokens, keep, added, logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason
 
 
 @dataclass(slots=True)
@@ -147,25 +137,25 @@ class OutputAssembler:
         self.completions: list[_Completion] = []
 
     def apply(self, delta: RequestDelta) -> RequestOutput:
-        if delta.prompt is not None:
-            self.prompt, self.prompt_token_ids = delta.prompt
-            self.completions = [_Completion(c.index) for c in delta.completions]
-        if delta.prompt_logprobs is not None:
+        _, prompt, prompt_logprobs, completions, finished, num_cached_tokens, metrics = delta
+        if prompt is not None:
+            self.prompt, self.prompt_token_ids = prompt
+            self.completions = [_Completion(d[0]) for d in completions]
+        if prompt_logprobs is not None:
             if self.prompt_logprobs is None:
                 self.prompt_logprobs = []
-            self.prompt_logprobs.extend(_decode_entry(e) for e in delta.prompt_logprobs)
+            self.prompt_logprobs.extend(_decode_entry(e) for e in prompt_logprobs)
         outputs = []
-        for d, c in zip(delta.completions, self.completions):
-            c.token_ids.extend(d.token_ids)
-            c.text = c.text[:d.text_keep] + d.text if d.text_keep < len(c.text) else c.text + d.text
-            if d.logprobs is not None:
+        for (index, tokens, keep, text, logprobs, cumulative, finish, stop), c in zip(completions, self.completions):
+            c.token_ids.extend(tokens)
+            c.text = c.text[:keep] + text if keep < len(c.text) else c.text + text
+            if logprobs is not None:
                 if c.logprobs is None:
                     c.logprobs = []
-                c.logprobs.extend(_decode_entry(e) for e in d.logprobs)
+                c.logprobs.extend(_decode_entry(e) for e in logprobs)
             # copies, as the engine makes: an output handed out never changes afterwards
-            outputs.append(CompletionOutput(c.index, c.text, list(c.token_ids), d.cumulative_logprob,
-                                            list(c.logprobs) if c.logprobs is not None else None,
-                                            d.finish_reason, d.stop_reason))
+            outputs.append(CompletionOutput(index, c.text, list(c.token_ids), cumulative,
+                                            list(c.logprobs) if c.logprobs is not None else None, finish, stop))
         # the prompt logprobs list is shared between outputs, as the engine shares it
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, outputs,
-                             delta.finished, delta.num_cached_tokens, delta.metrics)
+                             finished, num_cached_tokens, metrics)
