@@ -64,7 +64,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # the millions of synthetic objects above are no part of the cost (nor of a frontend's heap)
     encoder, assemblers = OutputEncoder(), {}
-    first = _build_message(encoder, [("out", i, o, None) for i, o in enumerate(steps[0])], None)
+    first = _build_message(encoder, {i: (o, None) for i, o in enumerate(steps[0])}, [], None)
     for d in first.deltas:  # the prompts, sent once, are not part of a steady step
         assemblers.setdefault(d[0], OutputAssembler(f"r{d[0]}")).apply(d)
 
@@ -85,7 +85,7 @@ def main() -> None:
     size = 0
     for outs in steps[1:]:
         t0 = time.perf_counter()
-        msg = _build_message(encoder, [("out", i, o, None) for i, o in enumerate(outs)], None)
+        msg = _build_message(encoder, {i: (o, None) for i, o in enumerate(outs)}, [], None)
         t1 = time.perf_counter()
         data = pickle.dumps(msg, protocol=5)
         t2 = time.perf_counter()

@@ -28,7 +28,7 @@ import pytest
 from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import PromptError
 from attnserve.engine.engine_client import EngineDeadError
-from attnserve.engine.engine_process import EngineProcessClient, _build_message
+from attnserve.engine.engine_process import EngineProcessClient, _build_message, _Outbox
 from attnserve.engine.output_deltas import OutputAssembler, OutputEncoder
 from attnserve.entrypoints.openai.api_server import build_app
 from attnserve.outputs import CompletionOutput, RequestOutput
@@ -131,13 +131,16 @@ def test_a_message_carries_each_request_s_latest_output_only():
     def out(rid: str, tokens: list[int]) -> RequestOutput:
         return RequestOutput(rid, None, [1], None, [CompletionOutput(0, "ab" * len(tokens), tokens)], False)
 
-    encoder = OutputEncoder()
-    items = [("out", 0, out("a", [5]), None), ("out", 1, out("b", [6]), None), ("out", 0, out("a", [5, 7]), None),
-             ("forget", 1), ("error", 2, PromptError("bad")), ("result", 9, True, 42)]
-    msg = _build_message(encoder, items, None)
+    outbox, encoder = _Outbox(), OutputEncoder()
+    outbox.add_output(0, out("a", [5]), None)
+    outbox.add_output(1, out("b", [6]), None)
+    outbox.add_output(0, out("a", [5, 7]), None)
+    for event in (("forget", 1), ("error", 2, PromptError("bad")), ("result", 9, True, 42)):
+        outbox.add_event(event)
+    msg = _build_message(encoder, outbox._latest, outbox._events, None)
     assert [d[0] for d in msg.deltas] == [0] and [(k, str(e)) for k, e in msg.errors] == [(2, "bad")]
     assert OutputAssembler("a").apply(msg.deltas[0]) == out("a", [5, 7]) and msg.results == [(9, True, 42)]
-    assert len(encoder) == 1  # request 1 was forgotten
+    assert len(encoder) == 1  # only request 0 is still known
 
 
 def test_outputs_equal_the_engine_thread(proc, thread_engine):
@@ -314,7 +317,7 @@ def test_a_start_up_error_arrives_with_its_message(model_dir, tmp_path):
 
 def test_the_engine_process_exits_when_its_frontend_dies(model_dir):
     script = (f"import sys, time; sys.path[:0] = [{str(ROOT / 'src')!r}]\n"
-              "from attnserve.engine.engine_process import EngineProcessClient, _build_message\n"
+              "from attnserve.engine.engine_process import EngineProcessClient, _build_message, _Outbox\n"
               "if __name__ == '__main__':\n"
               f"    c = EngineProcessClient.from_kwargs({str(model_dir)!r}, kv_cache_memory=0.01)\n"
               "    print(c._process.pid, flush=True)\n"

@@ -12,7 +12,7 @@ commands, step while there is work); a reader thread turns the frontend's comman
 call, stop) into that loop's commands, and a sender thread sends what the loop hands it: one
 ``_StepMessage`` per step (the step's outputs as deltas, ``output_deltas.py``; errors; call
 results; the step's ``EngineStats``). The loop never waits for the frontend: while the sender
-is blocked on a full pipe, steps queue up in its outbox and go as one message, each request's
+is blocked on a full pipe, steps pile up in its outbox and go as one message, each request's
 latest output only (outputs are cumulative). The child ignores SIGINT (the frontend stops it),
 and stops when the command pipe closes (the frontend died).
 
@@ -33,6 +33,7 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import sys
@@ -133,30 +134,40 @@ class _RemoteSink:
 
     def put(self, item: Any) -> None:
         if item is END:  # aborted: the frontend ended the stream itself
-            self.outbox.add(("forget", self.key))
+            self.outbox.add_event(("forget", self.key))
         else:
-            self.outbox.add(("error", self.key, _portable(item)))
+            self.outbox.add_event(("error", self.key, _portable(item)))
 
 
 class _Outbox:
-    """What the loop hands the sender thread; ``flush`` (once per step, and after each batch of
-    commands) wakes it. The loop never blocks here."""
+    """What the loop hands the sender thread, coalesced: each request's latest output (they are
+    cumulative, so memory stays bounded by the running requests however long the frontend
+    stalls), and the events (a request refused or aborted, a call's result) in order. ``flush``
+    (once per step, and after each batch of commands) wakes the sender. The loop never blocks
+    here."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._items: list[tuple] = []
+        self._latest: dict[int, tuple[RequestOutput, int | None]] = {}  # key -> (output, prompt logprobs)
+        self._events: list[tuple] = []  # ("forget", key) | ("error", key, exc) | ("result", id, ok, value)
         self._stats: EngineStats | None = None
         self._sent_stats: EngineStats | None = None
         self._ready = False
         self._dead: tuple[str, BaseException | None] | None = None
 
-    def add(self, item: tuple) -> None:
+    def add_output(self, key: int, out: RequestOutput, num_prompt_logprobs: int | None) -> None:
         with self._cond:
-            self._items.append(item)
+            self._latest[key] = out, num_prompt_logprobs
+
+    def add_event(self, event: tuple) -> None:
+        with self._cond:
+            if event[0] != "result":  # the request ended: an output still waiting is moot
+                self._latest.pop(event[1], None)
+            self._events.append(event)
 
     def flush(self, stats: EngineStats) -> None:
         with self._cond:
-            if self._items or stats != self._sent_stats:
+            if self._latest or self._events or stats != self._sent_stats:
                 self._stats = self._sent_stats = stats
                 self._ready = True
                 self._cond.notify()
@@ -174,17 +185,16 @@ class _Outbox:
             with self._cond:
                 while not self._ready:
                     self._cond.wait()
-                items, stats, dead = self._items, self._stats, self._dead
-                self._items, self._stats, self._ready = [], None, False
-            msg = _build_message(encoder, items, stats)
+                latest, events, stats, dead = self._latest, self._events, self._stats, self._dead
+                self._latest, self._events, self._stats, self._ready = {}, [], None, False
+            msg = _build_message(encoder, latest, events, stats)
             if dead is not None:
                 msg.dead, msg.error = dead
             try:
                 data = _dumps(msg)
-            except Exception:  # a bug: die loudly rather than leave the frontend waiting
+            except Exception:  # a bug: die loudly (the frontend sees EOF) rather than leave it waiting
                 logger.exception("the engine process cannot send its outputs")
-                conn.close()
-                return
+                os._exit(1)
             try:
                 conn.send_bytes(data)
             except OSError:  # the frontend is gone; the reader thread stops the loop
@@ -193,20 +203,16 @@ class _Outbox:
                 return
 
 
-def _build_message(encoder: OutputEncoder, items: list[tuple], stats: EngineStats | None) -> _StepMessage:
-    latest: dict[int, tuple[RequestOutput, int | None]] = {}  # each request's latest output
+def _build_message(encoder: OutputEncoder, latest: dict[int, tuple[RequestOutput, int | None]],
+                   events: list[tuple], stats: EngineStats | None) -> _StepMessage:
     msg = _StepMessage([], stats=stats)
-    for item in items:
-        kind = item[0]
-        if kind == "out":
-            latest[item[1]] = item[2], item[3]
-        elif kind == "result":
-            msg.results.append(item[1:])
-        else:  # "forget" (aborted) or "error" (refused, or the loop stopped)
-            latest.pop(item[1], None)
-            encoder.forget(item[1])
-            if kind == "error":
-                msg.errors.append((item[1], item[2]))
+    for event in events:
+        if event[0] == "result":
+            msg.results.append(event[1:])
+            continue
+        encoder.forget(event[1])  # "forget" (aborted) or "error" (refused, or the loop stopped)
+        if event[0] == "error":
+            msg.errors.append((event[1], event[2]))
     msg.deltas = [encoder.encode(key, out, n) for key, (out, n) in latest.items()]
     return msg
 
@@ -221,7 +227,7 @@ class _EngineLoop(AsyncLLMEngine):
     def _deliver(self, batch: list) -> None:
         for sink, out in batch:
             n = len(out.prompt_logprobs) if out.prompt_logprobs is not None else None
-            self.outbox.add(("out", sink.key, out, n))
+            self.outbox.add_output(sink.key, out, n)
 
     def _publish_stats(self) -> None:
         super()._publish_stats()
@@ -242,7 +248,7 @@ class _EngineLoop(AsyncLLMEngine):
                 self._commands.put(_Abort(cmd.request_id))
             elif isinstance(cmd, _CallCommand):
                 future: concurrent.futures.Future = concurrent.futures.Future()
-                future.add_done_callback(lambda f, cid=cmd.call_id: self.outbox.add(("result", cid, *_outcome(f))))
+                future.add_done_callback(lambda f, cid=cmd.call_id: self.outbox.add_event(("result", cid, *_outcome(f))))
                 self._commands.put(_Call(cmd.fn, future))
             else:
                 self._commands.put(_STOP)
