@@ -17,6 +17,7 @@ import argparse
 import gc
 import multiprocessing
 import pickle
+import statistics
 import threading
 import time
 
@@ -81,7 +82,7 @@ def main() -> None:
             got.release()
 
     threading.Thread(target=read, daemon=True).start()
-    t = dict.fromkeys(("encode", "pickle", "pipe", "unpickle", "rebuild"), 0.0)
+    t: dict[str, list[float]] = {k: [] for k in ("encode", "pickle", "pipe", "unpickle", "rebuild", "total")}
     size = 0
     for outs in steps[1:]:
         t0 = time.perf_counter()
@@ -97,22 +98,22 @@ def main() -> None:
         for d in msg.deltas:
             assemblers[d[0]].apply(d)
         t5 = time.perf_counter()
-        for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            t[k] += dt
+        for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+            t[k].append(dt)
         size += len(data)
     writer_conn.send_bytes(b"")
     n = args.steps
-    total = sum(t.values()) / n
     print(f"{args.num_requests} requests, {args.context} output tokens each, logprobs {args.logprobs}: "
-          f"{size / n / 1024:.1f} KiB per step")
+          f"{size / n / 1024:.1f} KiB per step; median of {n} steps (the machine may be shared)")
     for k, v in t.items():
-        print(f"  {k:9s} {v / n * 1e6:8.0f} us per step")
-    print(f"  total     {total * 1e6:8.0f} us per step ({total / args.num_requests * 1e6:.2f} us per request)")
+        print(f"  {k:9s} {statistics.median(v) * 1e6:8.0f} us per step")
+    print(f"  per request: {statistics.median(t['total']) / args.num_requests * 1e6:.2f} us")
+    some = steps[1:4]
     t0 = time.perf_counter()
-    whole = sum(len(pickle.dumps(outs, protocol=5)) for outs in steps[1:])
-    dt = (time.perf_counter() - t0) / n
+    whole = sum(len(pickle.dumps(outs, protocol=5)) for outs in some)
+    dt = (time.perf_counter() - t0) / len(some)
     print(f"  whole cumulative outputs instead: pickling alone {dt * 1e6:.0f} us per step, "
-          f"{whole / n / 1024:.0f} KiB")
+          f"{whole / len(some) / 1024:.0f} KiB")
 
 
 if __name__ == "__main__":
