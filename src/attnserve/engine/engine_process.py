@@ -353,6 +353,7 @@ class EngineProcessClient:
         outputs_child.close()
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._reap_lock = threading.Lock()  # one thread at a time waits on the child (waitpid)
         self._streams: dict[int, _Stream] = {}
         self._keys: dict[str, int] = {}  # request id -> key of the live request with it
         self._calls: dict[int, concurrent.futures.Future] = {}
@@ -386,14 +387,12 @@ class EngineProcessClient:
 
     def _wait_ready(self) -> EngineFacts:
         while not self._outputs.poll(0.5):
-            if not self._process.is_alive():
-                raise RuntimeError(f"the engine process exited (code {self._process.exitcode}) before it was ready")
+            if (code := self._join(0)) is not None:
+                raise RuntimeError(f"the engine process exited (code {code}) before it was ready")
         try:
             msg = pickle.loads(self._outputs.recv_bytes())
         except (EOFError, OSError):
-            self._process.join(5)
-            raise RuntimeError(f"the engine process exited (code {self._process.exitcode}) before it was "
-                               "ready") from None
+            raise RuntimeError(f"the engine process exited (code {self._join(5)}) before it was ready") from None
         if isinstance(msg, _StartupFailed):
             logger.debug("the engine process failed to start:\n%s", msg.traceback)
             if hasattr(msg.error, "add_note"):
@@ -413,13 +412,12 @@ class EngineProcessClient:
             self._send(_STOP_COMMAND)
         except (OSError, EngineDeadError):
             pass
-        process = self._process
-        process.join(timeout)
-        for stop in (process.terminate, process.kill):
-            if process.exitcode is None:
-                logger.warning("the engine process did not stop: %s", stop.__name__)
-                stop()
-                process.join(5)
+        if self._join(timeout) is None:
+            for stop in (self._process.terminate, self._process.kill):
+                if self._join(0) is None:
+                    logger.warning("the engine process did not stop: %s", stop.__name__)
+                    stop()
+                    self._join(5)
         reader = getattr(self, "_reader", None)
         if reader is not None and reader is not threading.current_thread():
             reader.join(5)
@@ -428,9 +426,16 @@ class EngineProcessClient:
             self._outputs.close()
             self._fail_all(EngineDeadError("the engine was shut down"))
 
+    def _join(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` seconds for the engine process; its exit code (None: alive)."""
+        with self._reap_lock:
+            self._process.join(timeout)
+            return self._process.exitcode
+
     @property
     def is_alive(self) -> bool:
-        return not self._dead and self._process.is_alive()
+        # its outputs pipe reads as closed the moment it exits: the reader thread sets _dead
+        return not self._dead
 
     @property
     def error(self) -> BaseException | None:
@@ -513,9 +518,7 @@ class EngineProcessClient:
             try:
                 msg: _StepMessage = pickle.loads(self._outputs.recv_bytes())
             except (EOFError, OSError):  # the process died without a word
-                self._process.join(1)
-                self._error = error = EngineDeadError(
-                    f"the engine process died (exit code {self._process.exitcode})")
+                self._error = error = EngineDeadError(f"the engine process died (exit code {self._join(1)})")
                 logger.error("%s", error)
                 break
             self._handle(msg)
