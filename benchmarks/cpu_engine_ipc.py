@@ -9,6 +9,13 @@ thread). The last line pickles whole cumulative outputs instead, for comparison 
 avoid: its cost grows with the context).
 
     PYTHONPATH=src python benchmarks/cpu_engine_ipc.py [--num-requests 256] [--context 500] [--logprobs 0]
+
+Measured (a shared 2-core VM, about 2.5x slower than a current server core on a pure-Python loop;
+medians): 256 requests at 500 tokens, no logprobs: 24 KiB per step; encode 1.8 ms, pickle 0.55,
+pipe 0.45, unpickle 0.6, rebuild 2.0: 5.4 ms per step (21 us per request), about 2.4 ms of it in
+the engine process's sender thread and 2.7 ms in the frontend's reader thread. With 5 logprobs:
+50 KiB, 13.7 ms (53 us per request). Pickling the whole cumulative outputs instead: 14 ms per
+step without logprobs (1.3 MiB), 4.5 s with 5 (24 MiB).
 """
 
 from __future__ import annotations
