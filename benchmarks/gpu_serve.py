@@ -8,7 +8,12 @@ tokens/s, TTFT and inter-token latency; then the server stops and the offline en
 same engine options (``ENGINE``) and the same detokenisation (text, as the server streams it),
 runs the same requests. The table's last column is server over offline throughput.
 
-    python benchmarks/gpu_serve.py [--rates inf,32,16,8] [--num-clients 4] [--json out.json]
+The server runs once per ``--frontend``: ``process`` (the default of ``attnserve serve``: the
+engine in its own process) and ``inprocess`` (``--disable-frontend-multiprocessing``: the engine
+on a thread of the server). Server CPU per output token counts every process of the server:
+for ``process`` the frontend's and the engine process's, shown apart too.
+
+    python benchmarks/gpu_serve.py [--rates inf,32,16,8] [--num-clients 4] [--frontend process,inprocess] [--json out.json]
     python benchmarks/gpu_serve.py --smoke     # CPU, a tiny model, a few requests
 
 Writes gpu_serve.json under $OUT when set. Not here: the engine-only figures (gpu_engine.py).
@@ -84,13 +89,15 @@ def _env() -> dict[str, str]:
 class Server:
     """``attnserve serve`` as a subprocess, its log in ``log_path``."""
 
-    def __init__(self, model: str, engine: dict, log_path: Path, timeout: float = 900.0):
+    def __init__(self, model: str, engine: dict, log_path: Path, frontend: str = "process", timeout: float = 900.0):
         import httpx
 
         self.port = _free_port()
         self.log = open(log_path, "w")
         cmd = [sys.executable, "-m", "attnserve", "serve", model, "--port", str(self.port),
                "--served-model-name", "bench", "--uvicorn-log-level", "warning", *_flags(engine)]
+        if frontend == "inprocess":
+            cmd.append("--disable-frontend-multiprocessing")
         print("server:", " ".join(cmd), flush=True)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
         deadline = time.monotonic() + timeout
@@ -114,10 +121,22 @@ class Server:
                 raise RuntimeError(f"the server did not come up in {timeout:.0f} s: see {log_path}")
             time.sleep(1.0)
 
-    def cpu_seconds(self) -> float:
-        """The server process's CPU time so far (user + system, every thread; Linux)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU time so far (user + system, every thread; Linux) of the server's process and of its
+        descendants (the engine process; none with ``inprocess``)."""
+        stats = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            stats[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        children = {pid: ppid for pid, (ppid, _) in stats.items()}
+        own, descendants, frontier = stats.get(self.proc.pid, (0, 0.0))[1], 0.0, {self.proc.pid}
+        while frontier:
+            frontier = {pid for pid, ppid in children.items() if ppid in frontier}
+            descendants += sum(stats[pid][1] for pid in frontier)
+        return own, descendants
 
     def bench(self, requests_file: Path, rate: float, clients: int, out: Path) -> dict:
         cpu = self.cpu_seconds()
@@ -126,8 +145,10 @@ class Server:
                "--num-clients", str(clients), "--output-json", str(out)]
         subprocess.run(cmd, check=True, env=_env(), cwd=ROOT)
         r = json.loads(out.read_text())
-        r["server_cpu_s"] = self.cpu_seconds() - cpu
-        r["server_cpu_us_per_token"] = r["server_cpu_s"] / max(r["total_output_tokens"], 1) * 1e6
+        (front, engine), tokens = (b - a for a, b in zip(cpu, self.cpu_seconds())), max(r["total_output_tokens"], 1)
+        r["server_cpu_s"], r["frontend_cpu_s"], r["engine_process_cpu_s"] = front + engine, front, engine
+        r["server_cpu_us_per_token"] = r["server_cpu_s"] / tokens * 1e6
+        r["frontend_cpu_us_per_token"], r["engine_process_cpu_us_per_token"] = front / tokens * 1e6, engine / tokens * 1e6
         return r
 
     def stop(self) -> None:
@@ -169,7 +190,10 @@ def _row(name: str, r: dict, bases: list[float | None]) -> str:
     for m in ("ttft", "tpot", "itl"):
         cells.append(" / ".join(f"{r[f'{s}_{m}_ms']:.1f}" for s in ("mean", "median", "p99")) if f"mean_{m}_ms" in r
                      else "-")
-    cells.append(f"{r['server_cpu_us_per_token']:.0f}" if "server_cpu_us_per_token" in r else "-")
+    cpu = f"{r['server_cpu_us_per_token']:.0f}" if "server_cpu_us_per_token" in r else "-"
+    if r.get("engine_process_cpu_s"):
+        cpu += f" ({r['frontend_cpu_us_per_token']:.0f} + {r['engine_process_cpu_us_per_token']:.0f})"
+    cells.append(cpu)
     return "| " + " | ".join([*cells, ratio]) + " |"
 
 
@@ -180,6 +204,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=None, help="default 256 (smoke: 24)")
     ap.add_argument("--lengths", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                     help="input and output lengths uniform in [LO, HI] (default 100 1024; smoke: 8 48)")
+    ap.add_argument("--frontend", default="process,inprocess",
+                    help="the server's engine, comma-separated: process (its own process, serve's default), "
+                         "inprocess (a thread of the server, --disable-frontend-multiprocessing)")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few short requests")
     ap.add_argument("--json", default=None)
@@ -203,21 +230,28 @@ def main() -> None:
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001 - a label only
         result["device"] = "unknown"
-    server = Server(model, engine, work / "server.log")
-    try:
-        warm = work / "warm.json"
-        warm.write_text(json.dumps(reqs[:8]))
-        server.bench(warm, math.inf, 1, work / "warm_out.json")  # compiles, graphs: not timed
-        for rate in rates:
-            r = server.bench(requests_file, rate, args.num_clients, work / f"rate_{rate}.json")
-            if r["failed"]:
-                raise RuntimeError(f"{r['failed']} requests failed at rate {rate}: {r['errors']}")
-            result["server"][str(rate)] = r
-            print(f"rate {rate}: {r['output_throughput']:.0f} tok/s, server CPU {r['server_cpu_s']:.1f} s "
-                  f"({r['server_cpu_us_per_token']:.0f} us per token)", flush=True)
-    finally:
-        server.stop()
-        print("server log tail:\n" + "".join((work / "server.log").read_text().splitlines(True)[-15:]))
+    frontends = args.frontend.split(",")
+    if not frontends or set(frontends) - {"process", "inprocess"}:
+        raise SystemExit(f"--frontend takes process and/or inprocess, got {args.frontend!r}")
+    for frontend in frontends:
+        server = Server(model, engine, work / f"server_{frontend}.log", frontend)
+        try:
+            warm = work / "warm.json"
+            warm.write_text(json.dumps(reqs[:8]))
+            server.bench(warm, math.inf, 1, work / "warm_out.json")  # compiles, graphs: not timed
+            for rate in rates:
+                r = server.bench(requests_file, rate, args.num_clients, work / f"{frontend}_rate_{rate}.json")
+                if r["failed"]:
+                    raise RuntimeError(f"{r['failed']} requests failed at rate {rate}: {r['errors']}")
+                r["frontend"] = frontend
+                result["server"][f"{frontend}/{rate}"] = r
+                print(f"{frontend}, rate {rate}: {r['output_throughput']:.0f} tok/s, server CPU {r['server_cpu_s']:.1f} s "
+                      f"({r['server_cpu_us_per_token']:.0f} us per token: frontend {r['frontend_cpu_us_per_token']:.0f}, "
+                      f"engine process {r['engine_process_cpu_us_per_token']:.0f})", flush=True)
+        finally:
+            server.stop()
+            log = (work / f"server_{frontend}.log").read_text()
+            print(f"server ({frontend}) log tail:\n" + "".join(log.splitlines(True)[-15:]))
     if not args.skip_offline:
         result["offline"] = offline(model, engine, reqs, detokenize=True)  # as the server: text
         result["offline_token_ids"] = offline(model, engine, reqs, detokenize=False)  # gpu_engine.py's
@@ -231,15 +265,16 @@ def main() -> None:
     print(f"\n{result['device']}, {n} requests, lengths uniform in {lo}..{hi}, {result['output_tokens']} output "
           f"tokens; engine {engine}\n")
     print("| run | output tok/s | TTFT ms mean / p50 / p99 | TPOT ms mean / p50 / p99 | ITL ms mean / p50 / p99 "
-          "| CPU us/token (server or offline process) | server / offline (text / ids) |\n| --- | --- | --- | --- | --- | --- | --- |")
-    for rate, r in result["server"].items():
-        print(_row(f"server, rate {rate}", r, bases))
+          "| CPU us/token (server: all (frontend + engine process); or offline process) | server / offline (text / ids) |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for key, r in result["server"].items():
+        frontend, rate = key.split("/")
+        print(_row(f"server ({frontend}), rate {rate}", r, bases))
     for key, label in (("offline", "offline (text)"), ("offline_token_ids", "offline (token ids only)")):
         if key in result:
             print(_row(label, result[key], [None]))
-    for rate, r in result["server"].items():
+    for key, r in result["server"].items():
         if r["total_output_tokens"] != result["output_tokens"]:
-            print(f"warning: rate {rate} returned {r['total_output_tokens']} tokens, expected {result['output_tokens']}")
+            print(f"warning: {key} returned {r['total_output_tokens']} tokens, expected {result['output_tokens']}")
 
 
 if __name__ == "__main__":

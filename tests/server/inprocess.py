@@ -16,6 +16,42 @@ import httpx
 from tests.server.conftest import MODEL_NAME
 
 
+def engine_holdings(engine) -> dict:
+    """Block-pool integrity checked, and what ``engine`` (an ``LLMEngine``) still holds:
+    requests, blocks, state slots, offload tier holds and reservations. Module-level, so an
+    engine process can run it too (``EngineProcessClient.call``)."""
+    manager = engine.kv_manager
+    manager.check_integrity()
+    pool, states = manager.pool, manager.state_pool
+    offload = getattr(engine.runner, "offload", None)
+    tier = offload.tier if offload is not None else None
+    return {
+        "unfinished": engine.has_unfinished_requests(),
+        "scheduler_requests": len(engine.scheduler.requests),
+        "engine_requests": len(engine.states),
+        "blocks_held": pool.num_blocks - 1 - pool.num_free_blocks,
+        "state_slots": len(states.slot_of) if states is not None else 0,
+        "tier_holds": sum(getattr(tier, "held", {}).values()) + len(getattr(tier, "reserved", {})),
+    }
+
+
+IDLE = {"unfinished": False, "scheduler_requests": 0, "engine_requests": 0, "blocks_held": 0,
+        "state_slots": 0, "tier_holds": 0}
+
+
+def wait_engine_idle(client, timeout: float = 10.0) -> dict:
+    """Wait until the engine behind ``client`` (an engine thread or process) holds nothing;
+    return the last state (AssertionError if it never does)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = client.call(engine_holdings).result(timeout=10)
+        if state == IDLE:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle after {timeout} s: {state}")
+        time.sleep(0.02)
+
+
 class InProcessServer:
     def __init__(self, model_dir: Path, app_kwargs: dict | None = None, **engine_kwargs):
         from attnserve.engine.async_engine import AsyncLLMEngine
@@ -33,36 +69,11 @@ class InProcessServer:
         self.engine.shutdown()
 
     def engine_state(self) -> dict:
-        """Block-pool integrity checked on the engine thread, and what the engine still holds:
-        requests, blocks, state slots, offload tier holds and reservations."""
+        """Block-pool integrity checked on the engine thread, and what the engine still holds."""
+        return self.engine.call(engine_holdings).result(timeout=10)
 
-        def check(engine):
-            manager = engine.kv_manager
-            manager.check_integrity()
-            pool, states = manager.pool, manager.state_pool
-            offload = getattr(engine.runner, "offload", None)
-            tier = offload.tier if offload is not None else None
-            return {
-                "unfinished": engine.has_unfinished_requests(),
-                "scheduler_requests": len(engine.scheduler.requests),
-                "engine_requests": len(engine.states),
-                "blocks_held": pool.num_blocks - 1 - pool.num_free_blocks,
-                "state_slots": len(states.slot_of) if states is not None else 0,
-                "tier_holds": sum(getattr(tier, "held", {}).values()) + len(getattr(tier, "reserved", {})),
-            }
-
-        return self.engine.call(check).result(timeout=10)
-
-    IDLE = {"unfinished": False, "scheduler_requests": 0, "engine_requests": 0, "blocks_held": 0,
-            "state_slots": 0, "tier_holds": 0}
+    IDLE = IDLE
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
         """Wait until the engine holds nothing; return the last state (AssertionError if it never does)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            state = self.engine_state()
-            if state == self.IDLE:
-                return state
-            if time.monotonic() > deadline:
-                raise AssertionError(f"engine not idle after {timeout} s: {state}")
-            time.sleep(0.02)
+        return wait_engine_idle(self.engine, timeout)

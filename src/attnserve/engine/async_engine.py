@@ -9,12 +9,16 @@ batch as they arrive and aborts free their blocks before the next step.
 Outputs are cumulative (each ``RequestOutput`` holds everything so far), so a consumer that
 falls behind gets only the latest one: nothing is lost, the stream just gets coarser.
 
-Not here: HTTP, wire formats, tokenising chat messages, metrics text (``entrypoints/openai``).
+The same loop runs inside an engine process (``engine_process.py``), where its two hooks,
+``_deliver`` (a step's outputs) and ``_publish_stats`` (after every step and every batch of
+commands), send to the frontend instead of to event loops.
+
+Not here: what the server sees of an engine (``engine_client.py``), HTTP, wire formats,
+tokenising chat messages, metrics text (``entrypoints/openai``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import queue
@@ -27,36 +31,21 @@ from typing import Any
 import torch
 
 from attnserve.engine.engine import LLMEngine
+from attnserve.engine.engine_client import (
+    END,
+    EngineDeadError,
+    EngineFacts,
+    EngineStats,
+    OutputSink,
+    put_all,
+    stream_outputs,
+)
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats", "ThroughputLogger"]
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (an error in a step, or shutdown); no request can be served."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after every step (counters are cumulative)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of usable blocks held by requests
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found
-    offload_hits: int = 0  # tokens loaded back from the offload tier
-    offload_bytes_stored: int = 0  # bytes copied to the offload tier
-    offload_bytes_loaded: int = 0  # bytes copied back from it
-    offload_seconds: float = 0.0  # time spent in those copies
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_aborted: int = 0  # requests aborted while the engine still held them
-    prompt_tokens: int = 0  # prompt tokens of requests that got their first token
-    generation_tokens: int = 0  # tokens sampled
 
 
 class ThroughputLogger:
@@ -120,58 +109,12 @@ def cuda_index(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-class _Sink:
-    """One request's outputs, delivered onto the caller's event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def put(self, item: Any) -> None:  # called on the engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            pass
-
-    def put_nowait(self, item: Any) -> None:  # called on the caller's loop
-        self.queue.put_nowait(item)
-
-    async def get(self) -> Any:
-        item = await self.queue.get()
-        # outputs are cumulative: when several wait, the latest says everything
-        while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()
-        return item
-
-
-_END = object()  # a stream ends without a finished output (aborted by someone else)
-
-
-def _deliver(batch: list[tuple[_Sink, RequestOutput]]) -> None:
-    for sink, out in batch:
-        sink.put_nowait(out)
-
-
-def _put_all(batch: list[tuple[_Sink, RequestOutput]]) -> None:
-    """Hand a step's outputs to their callers: one wake-up per event loop, not one per request
-    (at a few hundred streams, per-request wake-ups cost the engine thread more than the step's
-    output processing)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
-    for sink, out in batch:
-        by_loop.setdefault(sink.loop, []).append((sink, out))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_deliver, items)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            pass
-
-
 @dataclass(slots=True)
 class _Add:
     request_id: str
     prompt: Any
     params: SamplingParams
-    sink: _Sink
+    sink: OutputSink
 
 
 @dataclass(slots=True)
@@ -198,18 +141,13 @@ class AsyncLLMEngine:
         self._engine = engine
         self._cuda_index = cuda_index(engine.parts.device)  # resolved here, on the building thread
         # read-only facts about the model, safe to read from any thread
+        facts = EngineFacts.of(engine)
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.arch.vocab_size
         self.structured = engine.structured  # compile() is thread-safe (the server compiles ahead)
-        self.model = engine.config.model.model
-        self.max_logprobs = engine.config.model.max_logprobs
-        cache = engine.config.cache
-        self.cache_info = {"block_size": str(cache.block_size), "num_gpu_blocks": str(engine.kv_manager.pool.num_blocks),
-                           "cache_dtype": engine.parts.plan.kv_cache_dtype,
-                           "enable_prefix_caching": str(cache.enable_prefix_caching)}
+        self.model, self.max_model_len, self.vocab_size = facts.model, facts.max_model_len, facts.vocab_size
+        self.max_logprobs, self.cache_info = facts.max_logprobs, facts.cache_info
+        self.generation_config = facts.generation_config  # the model's sampling defaults
         self._throughput = ThroughputLogger(log_stats_interval) if log_stats_interval is not None else None
-        self.generation_config = engine.generation_config  # the model's sampling defaults
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stats = EngineStats()
         self._num_aborted = 0
@@ -265,7 +203,7 @@ class AsyncLLMEngine:
         return self._stats
 
     # --- requests --------------------------------------------------------------------------
-    async def generate(
+    def generate(
         self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative outputs until it finishes.
@@ -280,23 +218,8 @@ class AsyncLLMEngine:
             consumer stops early (closes the iterator, is cancelled), the request is aborted
             and its blocks freed. Engine-side errors (a bad prompt) are raised from it.
         """
-        sink = _Sink(asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, params, sink))
-        finished = False
-        try:
-            while not finished:
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine never held it, or no longer does
-                    raise item
-                if item is _END:
-                    finished = True
-                    return
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return stream_outputs(lambda sink: self._submit(_Add(request_id, prompt, params, sink)),
+                              lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (from any thread); unknown ids are ignored."""
@@ -313,7 +236,7 @@ class AsyncLLMEngine:
 
     # --- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
-        sinks: dict[str, _Sink] = {}
+        sinks: dict[str, OutputSink] = {}
         engine = self._engine
         try:
             if self._cuda_index is not None:  # the current CUDA device is per thread (Triton uses it)
@@ -342,7 +265,7 @@ class AsyncLLMEngine:
                         sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
                         if sink is not None:
                             batch.append((sink, out))
-                    _put_all(batch)
+                    self._deliver(batch)
                     stalled = not outputs and not engine.scheduler.running
                     self._publish_stats()
                 if throughput is not None and (line := throughput.observe(self._stats, time.monotonic())):
@@ -359,7 +282,7 @@ class AsyncLLMEngine:
         self._fail_pending(error)
         engine.close()  # tensor-parallel workers stop with the engine thread that drove them
 
-    def _handle_commands(self, sinks: dict[str, _Sink], timeout: float | None) -> bool:
+    def _handle_commands(self, sinks: dict[str, OutputSink], timeout: float | None) -> bool:
         """Apply every queued command, first waiting up to ``timeout`` seconds (None: for ever)
         for one; False on stop."""
         try:
@@ -378,7 +301,11 @@ class AsyncLLMEngine:
                 self._publish_stats()
                 return True
 
-    def _apply(self, cmd: Any, sinks: dict[str, _Sink]) -> None:
+    def _deliver(self, batch: list[tuple[OutputSink, RequestOutput]]) -> None:
+        """Hand a step's outputs to their requests' sinks (a hook: an engine process sends them)."""
+        put_all(batch)
+
+    def _apply(self, cmd: Any, sinks: dict[str, OutputSink]) -> None:
         engine = self._engine
         if isinstance(cmd, _Add):
             try:
@@ -392,7 +319,7 @@ class AsyncLLMEngine:
             if sink is not None:
                 engine.abort_request(cmd.request_id)
                 self._num_aborted += 1
-                sink.put(_END)
+                sink.put(END)
         elif isinstance(cmd, _Call):
             if cmd.future.set_running_or_notify_cancel():
                 try:

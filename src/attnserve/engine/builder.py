@@ -114,6 +114,7 @@ class EngineParts:
     arch: ModelArch
     model_dir: Path
     tokenizer: object
+    tokenizer_dir: Path  # where ``tokenizer`` was loaded from (a server's frontend loads it too)
     max_model_len: int
     device: torch.device
     dtype: str
@@ -224,8 +225,8 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     if arch.max_position_embeddings and config.model.max_model_len and max_len > arch.derived_max_model_len:
         logger.warning("max_model_len %d exceeds the %d the model is configured for (max_position_embeddings, "
                        "RoPE scaling applied)", max_len, arch.derived_max_model_len)
-    tokenizer = load_tokenizer(resolve_model_dir(config.model.tokenizer, weights=False)
-                               if config.model.tokenizer else model_dir)
+    tokenizer_dir = resolve_model_dir(config.model.tokenizer, weights=False) if config.model.tokenizer else model_dir
+    tokenizer = load_tokenizer(tokenizer_dir)
     groups = list(plan.layout.groups)  # the paged groups; state layers get slots instead
     backend_names = plan.backend_names  # raises when a group has no backend, or needs several
     backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
@@ -265,7 +266,8 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                          cuda_graphs=graphs,
                          state_caches=state_caches, offload=offload, offload_io=offload_io,
                          broadcaster=workers.broadcaster if workers is not None else None)
-    return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, max_model_len=max_len, device=device,
+    return EngineParts(arch=arch, model_dir=model_dir, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+                       max_model_len=max_len, device=device,
                        dtype=plan.dtype, platform=platform, groups=groups, backend_names=backend_names,
                        num_blocks=num_blocks, kv_manager=kv, runner=runner, plan=plan, config=config,
                        batch_limits=limits, workers=workers)

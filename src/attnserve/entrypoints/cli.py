@@ -198,6 +198,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="the HTTP server's log level (attnserve's own: $ATTNSERVE_LOG_LEVEL)")
+    p.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="run the engine on a thread of the server's process (default: in a process of "
+                        "its own, so HTTP and the engine's host work do not share one core)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no throughput lines in the log (default: one every "
                         "$ATTNSERVE_LOG_STATS_INTERVAL seconds, 10, while serving)")
@@ -221,7 +224,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                                    args.chat_template_timeout, args.max_chat_template_output_chars),
                log_stats_interval=None if args.disable_log_stats else env.log_stats_interval(),
                chat_template=args.chat_template,
-               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+               frontend_multiprocessing=not args.disable_frontend_multiprocessing)
     return 0
 
 

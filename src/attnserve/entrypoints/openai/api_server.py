@@ -11,8 +11,12 @@ away is noticed: a streamed request ends when its stream is cancelled, a whole-r
 races its generation against the connection's ``http.disconnect``; either way the engine
 aborts the request and frees its blocks.
 
-Not here: the engine thread (``engine/async_engine.py``), building responses from outputs
-(``serving_*.py``), the wire models (``protocol.py``).
+The engine is an ``EngineClient`` (``engine/engine_client.py``): by default its own process
+(``engine/engine_process.py``), so HTTP and the engine's host work do not share a GIL; with
+``--disable-frontend-multiprocessing`` a thread of this process (``engine/async_engine.py``).
+
+Not here: running the engine, building responses from outputs (``serving_*.py``), the wire
+models (``protocol.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from attnserve import __version__
-from attnserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.engine.engine import PromptError
+from attnserve.engine.engine_client import EngineClient, EngineDeadError
 from attnserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -198,7 +202,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 def build_app(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     served_model_name: str,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
@@ -319,19 +323,28 @@ def run_server(
     log_stats_interval: float | None = None,
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
+    frontend_multiprocessing: bool = True,
 ) -> None:
     """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``).
 
     ``log_stats_interval``: seconds between throughput lines in the log (None: none);
     ``chat_template``: a template, or the path of a file holding one (``--chat-template``);
-    ``tool_call_parser``: serves ``tool_choice`` "auto" (``--enable-auto-tool-choice``)."""
+    ``tool_call_parser``: serves ``tool_choice`` "auto" (``--enable-auto-tool-choice``);
+    ``frontend_multiprocessing``: the engine in its own process (False: on a thread of this
+    one, ``--disable-frontend-multiprocessing``)."""
     import uvicorn
 
+    from attnserve.engine.async_engine import AsyncLLMEngine
+    from attnserve.engine.engine_process import EngineProcessClient
     from attnserve.tokenizer import load_chat_template
 
     template = load_chat_template(chat_template)  # a bad path fails before the model loads
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)  # an unknown name, too
-    engine = AsyncLLMEngine.from_kwargs(model, log_stats_interval=log_stats_interval, **engine_kwargs)
-    app = build_app(engine, served_model_name or model, api_key, limits, template, tool_call_parser)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    engine_class = EngineProcessClient if frontend_multiprocessing else AsyncLLMEngine
+    engine = engine_class.from_kwargs(model, log_stats_interval=log_stats_interval, **engine_kwargs)
+    try:
+        app = build_app(engine, served_model_name or model, api_key, limits, template, tool_call_parser)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:  # also when uvicorn fails (a port in use): no engine process is left behind
+        engine.shutdown()

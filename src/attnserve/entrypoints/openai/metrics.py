@@ -16,7 +16,7 @@ without finishing (the client left, it was cancelled) counts as
 ``vllm:request_success_total{finished_reason="abort"}``, as in vLLM.
 
 Each app has a registry of its own (several servers may live in one process, as in the tests).
-Not here: computing the engine's figures (``engine/async_engine.py``).
+Not here: computing the engine's figures (``engine/async_engine.py``, ``engine/engine_process.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from attnserve.engine.async_engine import EngineStats
+from attnserve.engine.engine_client import EngineStats
 from attnserve.outputs import RequestOutput
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics", "token_buckets"]

@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 
 from attnserve.detokenizer import decode_token
-from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import truncate_prompt_ids
+from attnserve.engine.engine_client import EngineClient
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.prompt_logprobs import (
     ChatChunkWithPromptLogprobs,
@@ -69,7 +69,7 @@ __all__ = ["OpenAIServingChat"]
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
+    def __init__(self, engine: EngineClient, model_name: str, metrics: ServerMetrics,
                  limits: ServerLimits | None = None, chat_template: str | None = None,
                  tool_parser: HermesToolParser | None = None):
         self.engine = engine

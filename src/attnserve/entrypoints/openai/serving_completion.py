@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from attnserve.detokenizer import decode_token
-from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import PromptError, truncate_prompt_ids
+from attnserve.engine.engine_client import EngineClient
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.prompt_logprobs import (
     CompletionChoiceWithPromptLogprobs,
@@ -101,7 +101,7 @@ def raise_if_failed(out: RequestOutput) -> None:
         raise OpenAIError(f"the request failed in the engine: {reason}", status=500)
 
 
-async def compile_constraint(engine: AsyncLLMEngine, req: CompletionRequest | ChatCompletionRequest,
+async def compile_constraint(engine: EngineClient, req: CompletionRequest | ChatCompletionRequest,
                              params: SamplingParams) -> None:
     """Compile the request's structured-output grammar on a worker thread (the engine thread
     then finds it in the cache): one that does not compile is a 400 before anything runs."""
@@ -152,7 +152,7 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int,
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
+    def __init__(self, engine: EngineClient, model_name: str, metrics: ServerMetrics,
                  limits: ServerLimits | None = None):
         self.engine = engine
         self.model_name = model_name

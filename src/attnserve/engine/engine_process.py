@@ -1,0 +1,566 @@
+"""The engine in a process of its own, behind a frontend client: ``EngineProcessClient``.
+
+A server's HTTP work (FastAPI, JSON, server-sent events) and the engine's host work (schedule,
+prepare inputs, sample, detokenise, stop strings) do not both fit on one core under one GIL at a
+GPU's token rate, so ``attnserve serve`` runs the engine in a child process (as vLLM's
+EngineCore) and keeps only HTTP in the server's process.
+
+The child (``multiprocessing`` "spawn": CUDA cannot be forked) builds ``LLMEngine(config)`` and
+sends ``EngineFacts`` once ready, or its start-up error (raised by the frontend, same type and
+message). Then its main thread runs ``AsyncLLMEngine``'s own loop (``_EngineLoop``: drain
+commands, step while there is work); a reader thread turns the frontend's commands (add, abort,
+call, stop) into that loop's commands, and a sender thread sends what the loop hands it: one
+``_StepMessage`` per step (the step's outputs as deltas, ``output_deltas.py``; errors; call
+results; the step's ``EngineStats``). The loop never waits for the frontend: while the sender
+is blocked on a full pipe, steps pile up in its outbox and go as one message, each request's
+latest output only (outputs are cumulative). The child ignores SIGINT (the frontend stops it),
+and stops when the command pipe closes (the frontend died).
+
+The frontend's reader thread rebuilds each request's cumulative ``RequestOutput`` from its
+deltas and hands a message's outputs to their event loops with one wake-up per loop
+(``engine_client.put_all``). If the child dies, every request ends with ``EngineDeadError``.
+The frontend loads its own tokenizer (chat templates, ``/tokenize``) from the directory the
+engine loaded it from, and its own ``StructuredOutputManager`` (compiles constraints to check
+them early); it never initialises CUDA.
+
+Not here: the step loop itself (``async_engine.py``), what the server sees (``engine_client.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnserve.config import EngineConfig
+from attnserve.engine.async_engine import _STOP, AsyncLLMEngine, _Abort, _Add, _Call
+from attnserve.engine.engine_client import (
+    END,
+    EngineDeadError,
+    EngineFacts,
+    EngineStats,
+    OutputSink,
+    put_all,
+    stream_outputs,
+)
+from attnserve.engine.output_deltas import OutputAssembler, OutputEncoder, RequestDelta
+from attnserve.engine.structured_output import StructuredOutputManager
+from attnserve.outputs import RequestOutput
+from attnserve.sampling_params import SamplingParams
+from attnserve.tokenizer import load_tokenizer
+
+__all__ = ["EngineProcessClient"]
+
+logger = logging.getLogger(__name__)
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=5)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(_dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+# --- messages: frontend -> engine process --------------------------------------------------------
+@dataclass(slots=True)
+class _AddCommand:
+    key: int  # the frontend's number for this request: ids may be reused once one is aborted
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _AbortCommand:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _CallCommand:
+    call_id: int
+    fn: Callable[[Any], Any]
+
+
+_STOP_COMMAND = "stop"
+
+
+# --- messages: engine process -> frontend --------------------------------------------------------
+@dataclass(slots=True)
+class _Ready:
+    facts: EngineFacts
+
+
+@dataclass(slots=True)
+class _StartupFailed:
+    error: BaseException
+    traceback: str
+
+
+@dataclass(slots=True)
+class _StepMessage:
+    deltas: list[RequestDelta]
+    errors: list[tuple[int, BaseException]] = field(default_factory=list)  # (key, why it ended)
+    results: list[tuple[int, bool, Any]] = field(default_factory=list)  # (call id, ok, value or error)
+    stats: EngineStats | None = None
+    dead: str | None = None  # the loop stopped: why (the EngineDeadError's message)
+    error: BaseException | None = None  # ... what failed it (None: a shutdown)
+
+
+# --- the engine process ------------------------------------------------------------------------------
+class _RemoteSink:
+    """Stands in the loop for a request whose consumer is in the frontend."""
+
+    loop = None
+
+    def __init__(self, key: int, outbox: _Outbox):
+        self.key, self.outbox = key, outbox
+
+    def put(self, item: Any) -> None:
+        if item is END:  # aborted: the frontend ended the stream itself
+            self.outbox.add_event(("forget", self.key))
+        else:
+            self.outbox.add_event(("error", self.key, _portable(item)))
+
+
+class _Outbox:
+    """What the loop hands the sender thread, coalesced: each request's latest output (they are
+    cumulative, so memory stays bounded by the running requests however long the frontend
+    stalls), and the events (a request refused or aborted, a call's result) in order. ``flush``
+    (once per step, and after each batch of commands) wakes the sender. The loop never blocks
+    here."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._latest: dict[int, tuple[RequestOutput, int | None]] = {}  # key -> (output, prompt logprobs)
+        self._events: list[tuple] = []  # ("forget", key) | ("error", key, exc) | ("result", id, ok, value)
+        self._stats: EngineStats | None = None
+        self._sent_stats: EngineStats | None = None
+        self._ready = False
+        self._dead: tuple[str, BaseException | None] | None = None
+
+    def add_output(self, key: int, out: RequestOutput, num_prompt_logprobs: int | None) -> None:
+        with self._cond:
+            self._latest[key] = out, num_prompt_logprobs
+
+    def add_event(self, event: tuple) -> None:
+        with self._cond:
+            if event[0] != "result":  # the request ended: an output still waiting is moot
+                self._latest.pop(event[1], None)
+            self._events.append(event)
+
+    def flush(self, stats: EngineStats) -> None:
+        with self._cond:
+            if self._latest or self._events or stats != self._sent_stats:
+                self._stats = self._sent_stats = stats
+                self._ready = True
+                self._cond.notify()
+
+    def close(self, message: str, error: BaseException | None) -> None:
+        with self._cond:
+            self._dead = (message, error)
+            self._ready = True
+            self._cond.notify()
+
+    def send_loop(self, conn: Any) -> None:
+        """The sender thread: one message per wake-up, until the loop's last one."""
+        encoder = OutputEncoder()
+        while True:
+            with self._cond:
+                while not self._ready:
+                    self._cond.wait()
+                latest, events, stats, dead = self._latest, self._events, self._stats, self._dead
+                self._latest, self._events, self._stats, self._ready = {}, [], None, False
+            msg = _build_message(encoder, latest, events, stats)
+            if dead is not None:
+                msg.dead, msg.error = dead
+            try:
+                data = _dumps(msg)
+            except Exception:  # a bug: die loudly (the frontend sees EOF) rather than leave it waiting
+                logger.exception("the engine process cannot send its outputs")
+                os._exit(1)
+            try:
+                conn.send_bytes(data)
+            except OSError:  # the frontend is gone; the reader thread stops the loop
+                return
+            if dead is not None:
+                return
+
+
+def _build_message(encoder: OutputEncoder, latest: dict[int, tuple[RequestOutput, int | None]],
+                   events: list[tuple], stats: EngineStats | None) -> _StepMessage:
+    msg = _StepMessage([], stats=stats)
+    for event in events:
+        if event[0] == "result":
+            msg.results.append(event[1:])
+            continue
+        encoder.forget(event[1])  # "forget" (aborted) or "error" (refused, or the loop stopped)
+        if event[0] == "error":
+            msg.errors.append((event[1], event[2]))
+    msg.deltas = [encoder.encode(key, out, n) for key, (out, n) in latest.items()]
+    return msg
+
+
+class _EngineLoop(AsyncLLMEngine):
+    """``AsyncLLMEngine``'s loop with its two hooks sending to the outbox."""
+
+    def __init__(self, engine: Any, log_stats_interval: float | None, outbox: _Outbox):
+        super().__init__(engine, start=False, log_stats_interval=log_stats_interval)
+        self.outbox = outbox
+
+    def _deliver(self, batch: list) -> None:
+        for sink, out in batch:
+            n = len(out.prompt_logprobs) if out.prompt_logprobs is not None else None
+            self.outbox.add_output(sink.key, out, n)
+
+    def _publish_stats(self) -> None:
+        super()._publish_stats()
+        self.outbox.flush(self._stats)
+
+    def read_commands(self, conn: Any) -> None:
+        """The reader thread: the frontend's commands into the loop's queue; a closed pipe (the
+        frontend died) stops the loop."""
+        while True:
+            try:
+                cmd = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                cmd = _STOP_COMMAND
+            if isinstance(cmd, _AddCommand):
+                self._compile(cmd.params)
+                self._commands.put(_Add(cmd.request_id, cmd.prompt, cmd.params, _RemoteSink(cmd.key, self.outbox)))
+            elif isinstance(cmd, _AbortCommand):
+                self._commands.put(_Abort(cmd.request_id))
+            elif isinstance(cmd, _CallCommand):
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.add_done_callback(lambda f, cid=cmd.call_id: self.outbox.add_event(("result", cid, *_outcome(f))))
+                self._commands.put(_Call(cmd.fn, future))
+            else:
+                self._commands.put(_STOP)
+                return
+
+
+    def _compile(self, params: Any) -> None:
+        """Compile a request's constraint here, off the loop (the frontend compiled it too, in
+        its own process): the loop's own compile is then a cache hit, as in one process."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            try:
+                self._engine.structured.compile(params.structured_outputs)
+            except Exception:  # noqa: BLE001 - the loop refuses the request, with the reason
+                pass
+
+
+def _outcome(future: concurrent.futures.Future) -> tuple[bool, Any]:
+    if future.exception() is not None:
+        return False, _portable(future.exception())
+    try:
+        value = future.result()
+        _dumps(value)
+        return True, value
+    except Exception as e:  # noqa: BLE001 - an unpicklable result
+        return False, _portable(e)
+
+
+def _configure_logging(setup: tuple[int, list[tuple[str | None, str | None]]]) -> None:
+    """Log as the frontend does: attnserve's level and its stderr handlers' formats."""
+    level, formats = setup
+    log = logging.getLogger("attnserve")
+    log.setLevel(level)
+    for fmt, datefmt in formats:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(fmt, datefmt))
+        log.addHandler(handler)
+
+
+def _logging_setup() -> tuple[int, list[tuple[str | None, str | None]]]:
+    log = logging.getLogger("attnserve")
+    formats = [(h.formatter._fmt if h.formatter else None, h.formatter.datefmt if h.formatter else None)
+               for h in log.handlers if isinstance(h, logging.StreamHandler) and h.stream is sys.stderr]
+    return log.getEffectiveLevel(), formats
+
+
+def run_engine_process(config: EngineConfig, log_stats_interval: float | None, log_setup: tuple,
+                       commands: Any, outputs: Any) -> None:
+    """The engine process's main: build, report ready (or why not), serve until stopped."""
+    from attnserve.engine.engine import LLMEngine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
+    _configure_logging(log_setup)
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - any start-up failure goes to the frontend
+        outputs.send_bytes(_dumps(_StartupFailed(_portable(e), traceback.format_exc())))
+        return
+    engine.structured.warm_up()  # as a server does before its first request (xgrammar's import)
+    outbox = _Outbox()
+    loop = _EngineLoop(engine, log_stats_interval, outbox)
+    outputs.send_bytes(_dumps(_Ready(EngineFacts.of(engine))))
+    sender = threading.Thread(target=outbox.send_loop, args=(outputs,), name="attnserve-engine-sender",
+                              daemon=True)
+    sender.start()
+    threading.Thread(target=loop.read_commands, args=(commands,), name="attnserve-engine-reader",
+                     daemon=True).start()
+    loop._run()  # returns once stopped or failed; the requests it held got EngineDeadError
+    error = loop.error
+    outbox.close(f"the engine failed: {error!r}" if error is not None else "the engine was shut down",
+                 _portable(error) if error is not None else None)
+    sender.join(10)
+
+
+# --- the frontend --------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Stream:
+    sink: OutputSink
+    assembler: OutputAssembler
+    request_id: str
+
+
+class EngineProcessClient:
+    """An ``EngineClient`` whose engine runs in a child process (see the module docstring).
+
+    ``call(fn)`` runs ``fn(engine)`` in the child between steps, for checks and tests: ``fn``
+    must be picklable (a module-level function) and so must its result."""
+
+    def __init__(self, config: EngineConfig, log_stats_interval: float | None = None):
+        """Start the engine process and wait until it is ready (model loaded, cache sized).
+
+        Raises:
+            What the engine's start-up raised (same type and message), or RuntimeError if the
+            process died without saying why.
+        """
+        ctx = multiprocessing.get_context("spawn")
+        commands_child, self._commands = ctx.Pipe(duplex=False)
+        self._outputs, outputs_child = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=run_engine_process, name="attnserve-engine",
+                                    args=(config, log_stats_interval, _logging_setup(), commands_child, outputs_child))
+        self._process.start()
+        commands_child.close()  # the child's ends: a dead child then reads as EOF here
+        outputs_child.close()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._reap_lock = threading.Lock()  # one thread at a time waits on the child (waitpid)
+        self._streams: dict[int, _Stream] = {}
+        self._keys: dict[str, int] = {}  # request id -> key of the live request with it
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._dead = False
+        self._error: BaseException | None = None
+        atexit.register(self.shutdown)
+        try:
+            facts = self._wait_ready()
+            self.tokenizer = load_tokenizer(facts.tokenizer_dir)
+            self.structured = StructuredOutputManager(self.tokenizer, facts.vocab_size, facts.stop_token_ids)
+        except BaseException:
+            self.shutdown(timeout=1.0)
+            raise
+        self.model, self.max_model_len, self.vocab_size = facts.model, facts.max_model_len, facts.vocab_size
+        self.max_logprobs, self.cache_info = facts.max_logprobs, facts.cache_info
+        self.generation_config = facts.generation_config
+        self._reader = threading.Thread(target=self._read, name="attnserve-engine-client", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, log_stats_interval: float | None = None,
+                    **kwargs: Any) -> EngineProcessClient:
+        """As ``AsyncLLMEngine.from_kwargs``: the config is built (and checked) here, the engine
+        in the child."""
+        from attnserve.presets import DEFAULT_MODEL
+
+        kwargs.setdefault("usage_context", "server")
+        return cls(EngineConfig.from_kwargs(model or DEFAULT_MODEL, **kwargs), log_stats_interval)
+
+    def _wait_ready(self) -> EngineFacts:
+        while not self._outputs.poll(0.5):
+            if (code := self._join(0)) is not None:
+                raise RuntimeError(f"the engine process exited (code {code}) before it was ready")
+        try:
+            msg = pickle.loads(self._outputs.recv_bytes())
+        except (EOFError, OSError):
+            raise RuntimeError(f"the engine process exited (code {self._join(5)}) before it was ready") from None
+        if isinstance(msg, _StartupFailed):
+            logger.debug("the engine process failed to start:\n%s", msg.traceback)
+            if hasattr(msg.error, "add_note"):
+                msg.error.add_note(f"(in the engine process)\n{msg.traceback}")
+            raise msg.error
+        return msg.facts
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Nothing to do: the engine process serves from the moment it is ready."""
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (terminated after ``timeout`` seconds) and wait for it;
+        requests still running end with ``EngineDeadError``. Idempotent."""
+        atexit.unregister(self.shutdown)
+        try:
+            self._send(_STOP_COMMAND)
+        except (OSError, EngineDeadError):
+            pass
+        if self._join(timeout) is None:
+            for stop in (self._process.terminate, self._process.kill):
+                if self._join(0) is None:
+                    logger.warning("the engine process did not stop: %s", stop.__name__)
+                    stop()
+                    self._join(5)
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(5)
+        self._commands.close()
+        if reader is None:
+            self._outputs.close()
+            self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _join(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` seconds for the engine process; its exit code (None: alive)."""
+        with self._reap_lock:
+            self._process.join(timeout)
+            return self._process.exitcode
+
+    @property
+    def is_alive(self) -> bool:
+        # its outputs pipe reads as closed the moment it exits: the reader thread sets _dead
+        return not self._dead
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine process, if it failed or died."""
+        return self._error
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # --- requests --------------------------------------------------------------------------
+    def generate(self, request_id: str, prompt: str | list[int] | dict[str, Any],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """As ``AsyncLLMEngine.generate``: the request's cumulative outputs until it finishes."""
+        key = next(self._ids)
+
+        def submit(sink: OutputSink) -> None:
+            with self._lock:
+                if self._dead:
+                    raise EngineDeadError("the engine is not running")
+                if request_id in self._keys:  # as the engine says it
+                    sink.put_nowait(ValueError(f"request id '{request_id}' is already in use"))
+                    return
+                self._send(_AddCommand(key, request_id, prompt, params))
+                self._streams[key] = _Stream(sink, OutputAssembler(request_id), request_id)
+                self._keys[request_id] = key
+
+        return stream_outputs(submit, lambda: self._abort(key))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (from any thread); unknown ids are ignored."""
+        key = self._keys.get(request_id)
+        if key is not None:
+            self._abort(key)
+
+    def _abort(self, key: int) -> None:
+        with self._lock:
+            stream = self._streams.pop(key, None)
+            if stream is None:
+                return
+            self._forget(key, stream)
+            try:
+                self._send(_AbortCommand(stream.request_id))
+            except (OSError, EngineDeadError):
+                pass
+        stream.sink.put(END)
+
+    def _forget(self, key: int, stream: _Stream) -> None:
+        if self._keys.get(stream.request_id) == key:
+            del self._keys[stream.request_id]
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` in the engine process between steps; ``fn`` and its result must be
+        picklable (a module-level function)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._dead:
+                future.set_exception(EngineDeadError("the engine is not running"))
+                return future
+            call_id = next(self._ids)
+            self._calls[call_id] = future
+            try:
+                self._send(_CallCommand(call_id, fn))
+            except Exception as e:  # noqa: BLE001 - not picklable, or the process is gone
+                del self._calls[call_id]
+                future.set_exception(e)
+        return future
+
+    def _send(self, cmd: Any) -> None:
+        data = _dumps(cmd)
+        with self._send_lock:
+            try:
+                self._commands.send_bytes(data)
+            except OSError as e:
+                raise EngineDeadError(f"the engine process is gone: {e!r}") from None
+
+    # --- the reader thread ---------------------------------------------------------------------
+    def _read(self) -> None:
+        error = None
+        while error is None:
+            try:
+                msg: _StepMessage = pickle.loads(self._outputs.recv_bytes())
+            except (EOFError, OSError):  # the process died without a word
+                self._error = error = EngineDeadError(f"the engine process died (exit code {self._join(1)})")
+                logger.error("%s", error)
+                break
+            self._handle(msg)
+            if msg.dead is not None:
+                error = EngineDeadError(msg.dead)
+                self._error = msg.error
+        self._outputs.close()
+        self._fail_all(error)
+
+    def _handle(self, msg: _StepMessage) -> None:
+        batch: list[tuple[OutputSink, Any]] = []
+        results = []
+        with self._lock:
+            streams = self._streams
+            for delta in msg.deltas:
+                stream = streams.get(delta[0])
+                if stream is None:  # aborted here while the step ran
+                    continue
+                out = stream.assembler.apply(delta)
+                if out.finished:
+                    del streams[delta[0]]
+                    self._forget(delta[0], stream)
+                batch.append((stream.sink, out))
+            for key, exc in msg.errors:
+                stream = streams.pop(key, None)
+                if stream is not None:
+                    self._forget(key, stream)
+                    batch.append((stream.sink, exc))
+            results = [(self._calls.pop(cid, None), ok, value) for cid, ok, value in msg.results]
+            if msg.stats is not None:
+                self._stats = msg.stats
+        put_all(batch)
+        for future, ok, value in results:
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_result(value) if ok else future.set_exception(value)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            self._dead = True
+            streams, self._streams, self._keys = self._streams, {}, {}
+            calls, self._calls = self._calls, {}
+        put_all([(s.sink, error) for s in streams.values()])
+        for future in calls.values():
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
