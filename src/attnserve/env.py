@@ -38,6 +38,13 @@ def small_m_gemv() -> bool:
     return os.environ.get("ATTNSERVE_SMALL_M_GEMV", "").strip().lower() not in ("0", "false", "no", "off")
 
 
+def engine_profile() -> str | None:
+    """``ATTNSERVE_ENGINE_PROFILE``: a file the engine process writes its loop's cProfile stats
+    to when it stops (``engine/engine_process.py``), with the sender thread's time per phase in
+    its log; unset: no profiling."""
+    return os.environ.get("ATTNSERVE_ENGINE_PROFILE", "").strip() or None
+
+
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through the interpreter."""
     return _flag("TRITON_INTERPRET")

@@ -38,11 +38,13 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnserve import env
 from attnserve.config import EngineConfig
 from attnserve.engine.async_engine import _STOP, AsyncLLMEngine, _Abort, _Add, _Call
 from attnserve.engine.engine_client import (
@@ -154,6 +156,7 @@ class _Outbox:
         self._sent_stats: EngineStats | None = None
         self._ready = False
         self._dead: tuple[str, BaseException | None] | None = None
+        self.seconds = {"encode": 0.0, "pickle": 0.0, "send": 0.0}  # the sender thread's, per phase
 
     def add_output(self, key: int, out: RequestOutput, num_prompt_logprobs: int | None) -> None:
         with self._cond:
@@ -187,18 +190,25 @@ class _Outbox:
                     self._cond.wait()
                 latest, events, stats, dead = self._latest, self._events, self._stats, self._dead
                 self._latest, self._events, self._stats, self._ready = {}, [], None, False
+            t0 = time.perf_counter()
             msg = _build_message(encoder, latest, events, stats)
             if dead is not None:
                 msg.dead, msg.error = dead
+            t1 = time.perf_counter()
             try:
                 data = _dumps(msg)
             except Exception:  # a bug: die loudly (the frontend sees EOF) rather than leave it waiting
                 logger.exception("the engine process cannot send its outputs")
                 os._exit(1)
+            t2 = time.perf_counter()
             try:
                 conn.send_bytes(data)
             except OSError:  # the frontend is gone; the reader thread stops the loop
                 return
+            seconds = self.seconds
+            seconds["encode"] += t1 - t0
+            seconds["pickle"] += t2 - t1
+            seconds["send"] += time.perf_counter() - t2
             if dead is not None:
                 return
 
@@ -315,7 +325,17 @@ def run_engine_process(config: EngineConfig, log_stats_interval: float | None, l
     sender.start()
     threading.Thread(target=loop.read_commands, args=(commands,), name="attnserve-engine-reader",
                      daemon=True).start()
-    loop._run()  # returns once stopped or failed; the requests it held got EngineDeadError
+    profile_path = env.engine_profile()
+    if profile_path is None:
+        loop._run()  # returns once stopped or failed; the requests it held got EngineDeadError
+    else:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.runcall(loop._run)
+        profiler.dump_stats(profile_path)
+        logger.info("engine process: loop profile in %s; sender thread seconds %s", profile_path,
+                    {k: round(v, 3) for k, v in outbox.seconds.items()})
     error = loop.error
     outbox.close(f"the engine failed: {error!r}" if error is not None else "the engine was shut down",
                  _portable(error) if error is not None else None)
