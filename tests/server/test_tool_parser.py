@@ -101,8 +101,8 @@ FORCED = "Checking." + CALL
 
 
 def test_auto_through_the_openai_client(tool_client):
-    resp = tool_client.chat.completions.create(model=MODEL_NAME, messages=MSGS, tools=TOOLS, max_tokens=80,
-                                               extra_body={"guided_choice": [FORCED]})
+    resp = tool_client.chat.completions.create(model=MODEL_NAME, messages=MSGS, tools=TOOLS, max_tokens=200,
+                                               seed=0, extra_body={"guided_choice": [FORCED]})
     choice = resp.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
     assert _calls(choice.message.tool_calls) == [("get_weather", {"city": "Paris", "days": 2})]
@@ -115,7 +115,7 @@ def test_auto_through_the_openai_client(tool_client):
 
 def test_auto_streamed(tool_client):
     chunks = list(tool_client.chat.completions.create(
-        model=MODEL_NAME, messages=MSGS, tools=TOOLS, max_tokens=80, stream=True,
+        model=MODEL_NAME, messages=MSGS, tools=TOOLS, max_tokens=200, stream=True, seed=0,
         extra_body={"guided_choice": [FORCED]}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == "Checking."
