@@ -28,7 +28,7 @@ import pytest
 from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import PromptError
 from attnserve.engine.engine_client import EngineDeadError
-from attnserve.engine.engine_process import EngineProcessClient, _build_message, _Outbox
+from attnserve.engine.engine_process import EngineProcessClient, _Outbox
 from attnserve.engine.output_deltas import OutputAssembler, OutputEncoder
 from attnserve.entrypoints.openai.api_server import build_app
 from attnserve.outputs import CompletionOutput, RequestOutput
@@ -125,22 +125,21 @@ def test_a_stop_string_that_cuts_sent_text_is_rebuilt():
         assert assembler.apply(encoder.encode(0, o)) == o
 
 
-def test_a_message_carries_each_request_s_latest_output_only():
-    """Steps queued while the sender was blocked go as one message: each request's latest
-    (cumulative) output, none for a request aborted meanwhile."""
+def test_a_message_carries_each_request_s_deltas_merged():
+    """Steps queued while the sender was blocked go as one message: each request's deltas
+    merged into one, none for a request aborted meanwhile."""
     def out(rid: str, tokens: list[int]) -> RequestOutput:
         return RequestOutput(rid, None, [1], None, [CompletionOutput(0, "ab" * len(tokens), tokens)], False)
 
     outbox, encoder = _Outbox(), OutputEncoder()
-    outbox.add_output(0, out("a", [5]), None)
-    outbox.add_output(1, out("b", [6]), None)
-    outbox.add_output(0, out("a", [5, 7]), None)
+    outbox.add_deltas([encoder.encode(0, out("a", [5])), encoder.encode(1, out("b", [6]))])
+    outbox.add_deltas([encoder.encode(0, out("a", [5, 7]))])
     for event in (("forget", 1), ("error", 2, PromptError("bad")), ("result", 9, True, 42)):
         outbox.add_event(event)
-    msg = _build_message(encoder, outbox._latest, outbox._events, None)
+    outbox.flush(None)
+    msg = outbox.take()
     assert [d[0] for d in msg.deltas] == [0] and [(k, str(e)) for k, e in msg.errors] == [(2, "bad")]
     assert OutputAssembler("a").apply(msg.deltas[0]) == out("a", [5, 7]) and msg.results == [(9, True, 42)]
-    assert len(encoder) == 1  # only request 0 is still known
 
 
 def test_outputs_equal_the_engine_thread(proc, thread_engine):
@@ -317,7 +316,7 @@ def test_a_start_up_error_arrives_with_its_message(model_dir, tmp_path):
 
 def test_the_engine_process_exits_when_its_frontend_dies(model_dir):
     script = (f"import sys, time; sys.path[:0] = [{str(ROOT / 'src')!r}]\n"
-              "from attnserve.engine.engine_process import EngineProcessClient, _build_message, _Outbox\n"
+              "from attnserve.engine.engine_process import EngineProcessClient\n"
               "if __name__ == '__main__':\n"
               f"    c = EngineProcessClient.from_kwargs({str(model_dir)!r}, kv_cache_memory=0.01)\n"
               "    print(c._process.pid, flush=True)\n"

@@ -10,8 +10,8 @@ Outputs are cumulative (each ``RequestOutput`` holds everything so far), so a co
 falls behind gets only the latest one: nothing is lost, the stream just gets coarser.
 
 The same loop runs inside an engine process (``engine_process.py``), where its two hooks,
-``_deliver`` (a step's outputs) and ``_publish_stats`` (after every step and every batch of
-commands), send to the frontend instead of to event loops.
+``_step`` (a step and its outputs: there deltas) and ``_publish_stats`` (after every step and
+every batch of commands), send to the frontend instead of to event loops.
 
 Not here: what the server sees of an engine (``engine_client.py``), HTTP, wire formats,
 tokenising chat messages, metrics text (``entrypoints/openai``).
@@ -259,14 +259,7 @@ class AsyncLLMEngine:
                 if timeout is None and throughput is not None:  # woken from idling
                     throughput.rebase(self._stats, time.monotonic())
                 if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    batch = []
-                    for out in outputs:
-                        sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
-                        if sink is not None:
-                            batch.append((sink, out))
-                    self._deliver(batch)
-                    stalled = not outputs and not engine.scheduler.running
+                    stalled = not self._step(sinks) and not engine.scheduler.running
                     self._publish_stats()
                 if throughput is not None and (line := throughput.observe(self._stats, time.monotonic())):
                     logger.info("%s", line)
@@ -301,9 +294,17 @@ class AsyncLLMEngine:
                 self._publish_stats()
                 return True
 
-    def _deliver(self, batch: list[tuple[OutputSink, RequestOutput]]) -> None:
-        """Hand a step's outputs to their requests' sinks (a hook: an engine process sends them)."""
+    def _step(self, sinks: dict[str, OutputSink]) -> bool:
+        """Run one engine step and hand its outputs to their requests' sinks (a hook: an engine
+        process sends deltas instead); False if the step had no output."""
+        outputs = self._engine.step()
+        batch = []
+        for out in outputs:
+            sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
+            if sink is not None:
+                batch.append((sink, out))
         put_all(batch)
+        return bool(outputs)
 
     def _apply(self, cmd: Any, sinks: dict[str, OutputSink]) -> None:
         engine = self._engine

@@ -34,6 +34,7 @@ from attnserve.config import EngineConfig
 from attnserve.core.request import Request, RequestStatus
 from attnserve.core.step import GrammarBitmask, RunnerOutput, SchedulerOutput
 from attnserve.engine.builder import EngineParts, build_engine_parts
+from attnserve.engine.output_deltas import RequestDelta
 from attnserve.engine.output_processor import CompletionState, RequestState, make_detokenizer
 from attnserve.engine.scheduler import Scheduler
 from attnserve.engine.structured_output import StructuredOutputManager
@@ -289,12 +290,22 @@ class LLMEngine:
             self.workers.shutdown()
 
     # --- the step ---------------------------------------------------------------------------
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False, deltas: bool = False) -> list[RequestOutput] | list[RequestDelta]:
         """Run one step; returns the (cumulative) output of every request that got a token, or
         with ``final_only`` of every request that finished (``LLM.generate`` reads no others).
+        With ``deltas``: each such request's ``RequestDelta`` instead (what is new since its last
+        delta, keyed by request id: ``RequestState.to_delta``), and no cumulative output is built
+        (the engine process's mode).
 
         With async scheduling the outputs are those of the forward launched by the call before,
         read back while this call's forward runs."""
+        touched = {id(state): state for state in self._step(final_only)}.values()  # once each
+        if deltas:
+            return [state.to_delta() for state in touched]
+        return [state.to_output() for state in touched]
+
+    def _step(self, final_only: bool) -> list[RequestState]:
+        """``step``'s work; returns the requests whose outputs it reports."""
         if not self.async_scheduling:
             sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
@@ -365,7 +376,7 @@ class LLMEngine:
         elif req.grammar.terminated:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
 
-    def _finish_pending(self, final_only: bool) -> list[RequestOutput]:
+    def _finish_pending(self, final_only: bool) -> list[RequestState]:
         sched_out, handle = self._pending
         self._pending = None
         try:
@@ -374,7 +385,7 @@ class LLMEngine:
             return self._step_failed([sched_out], exc)
         return self._process(sched_out, run_out, final_only)
 
-    def _step_failed(self, steps: list[SchedulerOutput], exc: BaseException | None) -> list[RequestOutput]:
+    def _step_failed(self, steps: list[SchedulerOutput], exc: BaseException | None) -> list[RequestState]:
         """Contain a step that raised: the engine and the requests it did not run go on.
 
         A step with one request in it failed because of that request: it finishes with
@@ -400,8 +411,8 @@ class LLMEngine:
         self.scheduler.reset_after_fault(live)
         return []
 
-    def _fail_request(self, req, exc: BaseException) -> list[RequestOutput]:
-        """Finish one request whose step failed with it alone; returns its final output."""
+    def _fail_request(self, req, exc: BaseException) -> list[RequestState]:
+        """Finish one request whose step failed with it alone; returns it once it has finished."""
         self.scheduler.fail_after_fault(req, f"{type(exc).__name__}: {exc}")
         state, c = self._child_to_state[req.request_id]
         state.finish(c)
@@ -410,7 +421,7 @@ class LLMEngine:
         del self.states[state.request_id]
         for child in state.completions:
             self._forget(child.request.request_id)
-        return [state.to_output()]
+        return [state]
 
     def _output_failed(self, c: CompletionState, exc: BaseException) -> None:
         """Finish completion ``c``, whose output processing raised, with "error" (the message in
@@ -420,8 +431,9 @@ class LLMEngine:
         self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ERROR, message)
         c.finish_reason, c.stop_reason = RequestStatus.FINISHED_ERROR.value, message
 
-    def _process(self, sched_out: SchedulerOutput, run_out: RunnerOutput, final_only: bool) -> list[RequestOutput]:
-        """Scheduler update and output processing of one executed step.
+    def _process(self, sched_out: SchedulerOutput, run_out: RunnerOutput, final_only: bool) -> list[RequestState]:
+        """Scheduler update and output processing of one executed step; returns the requests
+        that got a token (with ``final_only``: that finished).
 
         Output processing (detokenising, logprob entries, stop strings, the grammar) runs per
         completion: one that raises finishes that completion alone with "error"
@@ -461,7 +473,7 @@ class LLMEngine:
         for rid, state in touched.items():
             finished = state.finished
             if finished or not final_only:
-                outputs.append(state.to_output())
+                outputs.append(state)
             if finished:
                 del self.states[rid]
                 for c in state.completions:

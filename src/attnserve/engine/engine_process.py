@@ -9,11 +9,12 @@ The child (``multiprocessing`` "spawn": CUDA cannot be forked) builds ``LLMEngin
 sends ``EngineFacts`` once ready, or its start-up error (raised by the frontend, same type and
 message). Then its main thread runs ``AsyncLLMEngine``'s own loop (``_EngineLoop``: drain
 commands, step while there is work); a reader thread turns the frontend's commands (add, abort,
-call, stop) into that loop's commands, and a sender thread sends what the loop hands it: one
-``_StepMessage`` per step (the step's outputs as deltas, ``output_deltas.py``; errors; call
-results; the step's ``EngineStats``). The loop never waits for the frontend: while the sender
-is blocked on a full pipe, steps pile up in its outbox and go as one message, each request's
-latest output only (outputs are cumulative). The child ignores SIGINT (the frontend stops it),
+call, stop) into that loop's commands, and a sender thread pickles and sends what the loop hands
+it: one ``_StepMessage`` per step (errors; call results; the step's ``EngineStats``; the step's
+outputs as deltas, ``output_deltas.py``, which the engine makes from its request state on the
+loop's thread, ``LLMEngine.step(deltas=True)``: no cumulative output is built in the child). The
+loop never waits for the frontend: while the sender is blocked on a full pipe, steps pile up in
+its outbox and go as one message, each request's deltas merged into one. The child ignores SIGINT (the frontend stops it),
 and stops when the command pipe closes (the frontend died).
 
 The frontend's reader thread rebuilds each request's cumulative ``RequestOutput`` from its
@@ -56,7 +57,7 @@ from attnserve.engine.engine_client import (
     put_all,
     stream_outputs,
 )
-from attnserve.engine.output_deltas import OutputAssembler, OutputEncoder, RequestDelta
+from attnserve.engine.output_deltas import OutputAssembler, RequestDelta, merge_deltas
 from attnserve.engine.structured_output import StructuredOutputManager
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
@@ -142,35 +143,40 @@ class _RemoteSink:
 
 
 class _Outbox:
-    """What the loop hands the sender thread, coalesced: each request's latest output (they are
-    cumulative, so memory stays bounded by the running requests however long the frontend
-    stalls), and the events (a request refused or aborted, a call's result) in order. ``flush``
-    (once per step, and after each batch of commands) wakes the sender. The loop never blocks
-    here."""
+    """What the loop hands the sender thread: each request's deltas since the last message,
+    merged into one (``merge_deltas``), and the events (a request refused or aborted, a call's
+    result) in order. While the frontend is behind, the deltas of later steps merge into the
+    waiting ones, so memory stays bounded by the running requests' outputs however long it
+    stalls. ``flush`` (once per step, and after each batch of commands) wakes the sender. The
+    loop never blocks here."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._latest: dict[int, tuple[RequestOutput, int | None]] = {}  # key -> (output, prompt logprobs)
+        self._deltas: dict[int, RequestDelta] = {}  # key -> what it has not sent yet
         self._events: list[tuple] = []  # ("forget", key) | ("error", key, exc) | ("result", id, ok, value)
         self._stats: EngineStats | None = None
         self._sent_stats: EngineStats | None = None
         self._ready = False
         self._dead: tuple[str, BaseException | None] | None = None
-        self.seconds = {"encode": 0.0, "pickle": 0.0, "send": 0.0}  # the sender thread's, per phase
+        self.seconds = {"pickle": 0.0, "send": 0.0}  # the sender thread's, per phase
 
-    def add_output(self, key: int, out: RequestOutput, num_prompt_logprobs: int | None) -> None:
+    def add_deltas(self, deltas: list[RequestDelta]) -> None:
         with self._cond:
-            self._latest[key] = out, num_prompt_logprobs
+            waiting = self._deltas
+            for delta in deltas:
+                key = delta[0]
+                old = waiting.get(key)
+                waiting[key] = delta if old is None else merge_deltas(old, delta)
 
     def add_event(self, event: tuple) -> None:
         with self._cond:
-            if event[0] != "result":  # the request ended: an output still waiting is moot
-                self._latest.pop(event[1], None)
+            if event[0] != "result":  # the request ended: its deltas still waiting are moot
+                self._deltas.pop(event[1], None)
             self._events.append(event)
 
     def flush(self, stats: EngineStats) -> None:
         with self._cond:
-            if self._latest or self._events or stats != self._sent_stats:
+            if self._deltas or self._events or stats != self._sent_stats:
                 self._stats = self._sent_stats = stats
                 self._ready = True
                 self._cond.notify()
@@ -181,50 +187,42 @@ class _Outbox:
             self._ready = True
             self._cond.notify()
 
+    def take(self) -> _StepMessage:
+        """What is waiting, as one message (the sender thread's, once woken)."""
+        with self._cond:
+            while not self._ready:
+                self._cond.wait()
+            deltas, events, stats, dead = self._deltas, self._events, self._stats, self._dead
+            self._deltas, self._events, self._stats, self._ready = {}, [], None, False
+        msg = _StepMessage(list(deltas.values()), stats=stats)
+        for event in events:
+            if event[0] == "result":
+                msg.results.append(event[1:])
+            elif event[0] == "error":  # refused, or the loop stopped ("forget": aborted, sends nothing)
+                msg.errors.append((event[1], event[2]))
+        if dead is not None:
+            msg.dead, msg.error = dead
+        return msg
+
     def send_loop(self, conn: Any) -> None:
         """The sender thread: one message per wake-up, until the loop's last one."""
-        encoder = OutputEncoder()
         while True:
-            with self._cond:
-                while not self._ready:
-                    self._cond.wait()
-                latest, events, stats, dead = self._latest, self._events, self._stats, self._dead
-                self._latest, self._events, self._stats, self._ready = {}, [], None, False
+            msg = self.take()
             t0 = time.perf_counter()
-            msg = _build_message(encoder, latest, events, stats)
-            if dead is not None:
-                msg.dead, msg.error = dead
-            t1 = time.perf_counter()
             try:
                 data = _dumps(msg)
             except Exception:  # a bug: die loudly (the frontend sees EOF) rather than leave it waiting
                 logger.exception("the engine process cannot send its outputs")
                 os._exit(1)
-            t2 = time.perf_counter()
+            t1 = time.perf_counter()
             try:
                 conn.send_bytes(data)
             except OSError:  # the frontend is gone; the reader thread stops the loop
                 return
-            seconds = self.seconds
-            seconds["encode"] += t1 - t0
-            seconds["pickle"] += t2 - t1
-            seconds["send"] += time.perf_counter() - t2
-            if dead is not None:
+            self.seconds["pickle"] += t1 - t0
+            self.seconds["send"] += time.perf_counter() - t1
+            if msg.dead is not None:
                 return
-
-
-def _build_message(encoder: OutputEncoder, latest: dict[int, tuple[RequestOutput, int | None]],
-                   events: list[tuple], stats: EngineStats | None) -> _StepMessage:
-    msg = _StepMessage([], stats=stats)
-    for event in events:
-        if event[0] == "result":
-            msg.results.append(event[1:])
-            continue
-        encoder.forget(event[1])  # "forget" (aborted) or "error" (refused, or the loop stopped)
-        if event[0] == "error":
-            msg.errors.append((event[1], event[2]))
-    msg.deltas = [encoder.encode(key, out, n) for key, (out, n) in latest.items()]
-    return msg
 
 
 class _EngineLoop(AsyncLLMEngine):
@@ -234,10 +232,17 @@ class _EngineLoop(AsyncLLMEngine):
         super().__init__(engine, start=False, log_stats_interval=log_stats_interval)
         self.outbox = outbox
 
-    def _deliver(self, batch: list) -> None:
-        for sink, out in batch:
-            n = len(out.prompt_logprobs) if out.prompt_logprobs is not None else None
-            self.outbox.add_output(sink.key, out, n)
+    def _step(self, sinks: dict[str, _RemoteSink]) -> bool:
+        """The engine's step in its deltas mode: no cumulative output is built here."""
+        deltas = self._engine.step(deltas=True)
+        keyed = []
+        for delta in deltas:
+            rid = delta[0]
+            sink = sinks.pop(rid) if delta[4] else sinks.get(rid)
+            if sink is not None:  # keyed by the frontend's number for the request
+                keyed.append((sink.key, *delta[1:]))
+        self.outbox.add_deltas(keyed)
+        return bool(deltas)
 
     def _publish_stats(self) -> None:
         super()._publish_stats()
@@ -544,7 +549,6 @@ class EngineProcessClient:
             self._handle(msg)
             if msg.dead is not None:
                 error = EngineDeadError(msg.dead)
-                self._error = msg.error
         self._outputs.close()
         self._fail_all(error)
 
@@ -552,6 +556,8 @@ class EngineProcessClient:
         batch: list[tuple[OutputSink, Any]] = []
         results = []
         with self._lock:
+            if msg.dead is not None:  # dead before a stream hears of it (is_alive, error)
+                self._dead, self._error = True, msg.error
             streams = self._streams
             for delta in msg.deltas:
                 stream = streams.get(delta[0])

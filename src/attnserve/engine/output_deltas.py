@@ -1,13 +1,16 @@
-"""Cumulative outputs as deltas, for sending them between processes: encode, then rebuild.
+"""Cumulative outputs as deltas, for sending them between processes: the format, merging, rebuilding.
 
 The engine's ``RequestOutput`` is cumulative (all tokens, the whole text, every logprob entry so
 far). Sending it whole each step costs O(tokens so far) per request and step, O(n^2) over a
-request. ``OutputEncoder`` (the engine process's side) sends what is new since the last output
-it encoded for a request: new token ids and logprob entries, the text as (characters kept,
-characters added) (a stop string can cut text already sent), the scalars, and what is set once
-(the prompt, its token ids) in the first delta only. ``OutputAssembler`` (the frontend's side,
-one per request) applies the deltas in order and returns ``RequestOutput`` objects equal, field
-by field, to the engine's.
+request. A ``RequestDelta`` holds what is new since the request's last delta: new token ids and
+logprob entries, the text as (characters kept, characters added) (a stop string can cut text
+already sent), the scalars, and what is set once (the prompt, its token ids) in the first delta
+only. The engine process makes them from the engine's request state
+(``LLMEngine.step(deltas=True)``, ``RequestState.to_delta``); ``OutputEncoder`` makes the same
+from cumulative outputs (the reference twin, for tests and benchmarks). ``merge_deltas`` joins
+two consecutive deltas of a request into one (the engine process's outbox, while the frontend
+is behind). ``OutputAssembler`` (the frontend's side, one per request) applies the deltas in
+order and returns ``RequestOutput`` objects equal, field by field, to the engine's.
 
 Token ids and logprob entries are append-only in the engine (a preempted or rerun request keeps
 its output tokens); prompt logprobs grow as prefill chunks run. Deltas and logprob entries are
@@ -23,7 +26,8 @@ from dataclasses import dataclass, field
 
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["CompletionDelta", "OutputAssembler", "OutputEncoder", "RequestDelta"]
+__all__ = ["CompletionDelta", "OutputAssembler", "OutputEncoder", "RequestDelta", "encode_entry", "merge_deltas",
+           "text_delta"]
 
 # one logprob entry (a position's {token id: Logprob}): ((token id, logprob, rank, text), ...)
 _Entry = tuple[tuple[int, float, int | None, str | None], ...]
@@ -41,10 +45,45 @@ RequestDelta = tuple[int, tuple[str | None, list[int]] | None, list[_Entry | Non
                      list[CompletionDelta], bool, int, dict[str, float]]
 
 
-def _encode_entry(entry: dict[int, Logprob] | None) -> _Entry | None:
+def encode_entry(entry: dict[int, Logprob] | None) -> _Entry | None:
+    """One logprob entry as the wire carries it."""
     if entry is None:
         return None
     return tuple((tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in entry.items())
+
+
+def text_delta(old: str, text: str) -> tuple[int, str]:
+    """``text`` as (characters of ``old`` that stay, characters appended after them)."""
+    if text is old:  # nothing new
+        return len(old), ""
+    if text.startswith(old):  # the usual case: text only grows
+        return len(old), text[len(old):]
+    keep = 0  # a stop string cut text sent before
+    while keep < min(len(old), len(text)) and old[keep] == text[keep]:
+        keep += 1
+    return keep, text[keep:]
+
+
+def merge_deltas(old: RequestDelta, new: RequestDelta) -> RequestDelta:
+    """One delta that does what ``old`` then ``new`` (of the same request) do. The lists of
+    ``old`` are extended in place (a long stall stays linear): it must not be used again."""
+    key, prompt, prompt_logprobs, completions, _, _, _ = old
+    if prompt_logprobs is not None:
+        prompt_logprobs.extend(new[2])
+    merged = []
+    for c_old, c_new in zip(completions, new[3]):
+        index, tokens, keep, added, logprobs, _, _, _ = c_old
+        tokens.extend(c_new[1])
+        if c_new[2] >= keep + len(added):  # the usual case: new text only appends
+            added += c_new[3]
+        elif c_new[2] >= keep:  # new cut some of what old added
+            added = added[:c_new[2] - keep] + c_new[3]
+        else:  # new cut text from before old
+            keep, added = c_new[2], c_new[3]
+        if logprobs is not None:
+            logprobs.extend(c_new[4])
+        merged.append((index, tokens, keep, added, logprobs, *c_new[5:]))
+    return (key, prompt, prompt_logprobs, merged, *new[4:])
 
 
 def _decode_entry(entry: _Entry | None) -> dict[int, Logprob] | None:
@@ -90,7 +129,7 @@ class OutputEncoder:
         plp = None
         if out.prompt_logprobs is not None:
             end = len(out.prompt_logprobs) if num_prompt_logprobs is None else num_prompt_logprobs
-            plp = [_encode_entry(e) for e in out.prompt_logprobs[sent.num_prompt_logprobs:end]]
+            plp = [encode_entry(e) for e in out.prompt_logprobs[sent.num_prompt_logprobs:end]]
             sent.num_prompt_logprobs = end
         completions = [self._encode_completion(c, s) for c, s in zip(out.outputs, sent.completions)]
         if out.finished:
@@ -102,18 +141,11 @@ class OutputEncoder:
     def _encode_completion(c: CompletionOutput, sent: _SentCompletion) -> CompletionDelta:
         tokens = c.token_ids[sent.num_tokens:]
         sent.num_tokens = len(c.token_ids)
-        text, old = c.text, sent.text
-        if text.startswith(old):  # the usual case: text only grows
-            keep, added = len(old), text[len(old):]
-        else:  # a stop string cut text sent before
-            keep = 0
-            while keep < min(len(old), len(text)) and old[keep] == text[keep]:
-                keep += 1
-            added = text[keep:]
-        sent.text = text
+        keep, added = text_delta(sent.text, c.text)
+        sent.text = c.text
         logprobs = None
         if c.logprobs is not None:
-            logprobs = [_encode_entry(e) for e in c.logprobs[sent.num_logprobs:]]
+            logprobs = [encode_entry(e) for e in c.logprobs[sent.num_logprobs:]]
             sent.num_logprobs = len(c.logprobs)
         return c.index, tokens, keep, added, logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason
 

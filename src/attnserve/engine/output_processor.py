@@ -1,7 +1,8 @@
 """From engine tokens to user outputs: detokenisation, stop strings, logprobs, ``n`` children.
 
 One ``RequestState`` per user request accumulates text and logprobs per completion and builds
-cumulative ``RequestOutput`` objects. Stop strings are found here, on the text; the engine then
+cumulative ``RequestOutput`` objects (``to_output``), or what is new since its last delta
+(``to_delta``: the engine process's, ``output_deltas.py``). Stop strings are found here, on the text; the engine then
 finishes the request in the scheduler. This file knows tokens and text, not blocks or tensors.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from attnserve.core.request import Request
 from attnserve.core.step import TokenLogprobs
 from attnserve.detokenizer import IncrementalDetokenizer, decode_token
+from attnserve.engine.output_deltas import CompletionDelta, RequestDelta, encode_entry, text_delta
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["CompletionState", "RequestState"]
@@ -29,6 +31,23 @@ class CompletionState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     _scan_from: int = 0  # where the stop-string search resumes
+    # what the deltas have carried so far (to_delta)
+    _sent_tokens: int = 0
+    _sent_text: str = ""
+    _sent_logprobs: int = 0
+
+    def to_delta(self) -> CompletionDelta:
+        """What is new since the last call (the first: everything)."""
+        token_ids = self.request.output_token_ids
+        tokens, self._sent_tokens = token_ids[self._sent_tokens:], len(token_ids)
+        keep, added = text_delta(self._sent_text, self.text)
+        self._sent_text = self.text
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = [encode_entry(e) for e in self.logprobs[self._sent_logprobs:]]
+            self._sent_logprobs = len(self.logprobs)
+        return (self.index, tokens, keep, added, logprobs, self.cumulative_logprob, self.finish_reason,
+                self.stop_reason)
 
 
 @dataclass(slots=True)
@@ -42,6 +61,7 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    _sent_prompt_logprobs: int = -1  # prompt logprob entries the deltas have carried (-1: no delta yet)
 
     @property
     def finished(self) -> bool:
@@ -108,9 +128,31 @@ class RequestState:
                                  logprobs=list(c.logprobs) if c.logprobs is not None else None,
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                 for c in self.completions]
-        first = self.completions[0].request
-        # vLLM's RequestStateStats, on time.monotonic(): arrival, first scheduled (of any of the
-        # n completions), first and last token; ServerMetrics turns them into the phase histograms
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             prompt_logprobs=self.prompt_logprobs, outputs=outs, finished=self.finished,
+                             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics())
+
+    def to_delta(self) -> RequestDelta:
+        """What is new since the last call, as ``output_deltas.RequestDelta`` with the request id as
+        its key (the first call: everything, and the prompt): applied in order by an
+        ``OutputAssembler``, the deltas give ``to_output``'s outputs."""
+        first = self._sent_prompt_logprobs < 0
+        sent_prompt_logprobs = max(self._sent_prompt_logprobs, 0)
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = [encode_entry(e) for e in self.prompt_logprobs[sent_prompt_logprobs:]]
+            sent_prompt_logprobs = len(self.prompt_logprobs)
+        self._sent_prompt_logprobs = sent_prompt_logprobs
+        return (self.request_id, (self.prompt, self.prompt_token_ids) if first else None, prompt_logprobs,
+                [c.to_delta() for c in self.completions], self.finished, self.num_cached_tokens, self.metrics())
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return max(self.completions[0].request.num_cached_tokens, 0)
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's RequestStateStats, on time.monotonic(): arrival, first scheduled (of any of the
+        n completions), first and last token; ServerMetrics turns them into the phase histograms."""
         metrics = {"arrival_time": self.arrival_time}
         scheduled = [c.request.first_scheduled_time for c in self.completions
                      if c.request.first_scheduled_time is not None]
@@ -120,10 +162,7 @@ class RequestState:
             metrics["time_to_first_token"] = self.first_token_time - self.arrival_time
             metrics["first_token_time"] = self.first_token_time
             metrics["last_token_time"] = self.last_token_time
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             prompt_logprobs=self.prompt_logprobs, outputs=outs, finished=self.finished,
-                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
-
+        return metrics
 
 def make_detokenizer(tokenizer, request: Request) -> IncrementalDetokenizer | None:
     if tokenizer is None or not request.sampling_params.detokenize:
