@@ -65,7 +65,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        for c in self.completions:  # not all(...): a generator costs a microsecond, per request and step
+            if c.finish_reason is None:
+                return False
+        return True
 
     def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
         if self.prompt_logprobs is None:
