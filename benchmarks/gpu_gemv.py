@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from graph_timing import graph_replay_us  # noqa: E402
 
 from attnserve.layers.gemv import act_linear_ref, norm_linear_ref  # noqa: E402
 from attnserve.ops import triton_fused, triton_gemv  # noqa: E402
@@ -149,27 +149,13 @@ def time_us(case: Case, fn: Callable[[torch.Tensor], object], reps: int) -> floa
         for w in case.weights:
             fn(w)
         return 1e6 * (time.perf_counter() - t) / len(case.weights)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(case.weights[0])  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body() -> None:
         for _ in range(reps):
             for w in case.weights:
                 fn(w)
-    graph.replay()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(times) / calls
+
+    return graph_replay_us(body, warm=lambda: fn(case.weights[0])) / calls
 
 
 def candidates(m: int, n: int, k: int, prologue: str, smoke: bool, sweep: bool) -> list[GemvConfig]:

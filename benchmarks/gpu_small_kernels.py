@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ if "--smoke" in sys.argv:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from graph_timing import graph_replay_us  # noqa: E402
 
 from attnserve.attention.reference import paged_attention, write_kv  # noqa: E402
 from attnserve.layers.fused import rms_norm_ref, rotary_ref  # noqa: E402
@@ -220,25 +220,12 @@ def time_per_call(s: dict, fn: Callable[[], None], calls: int, reps: int) -> flo
         t = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - t) / calls
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body() -> None:
         for _ in range(reps):
             fn()
-    graph.replay()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times) / (reps * calls)
+
+    return graph_replay_us(body, warm=fn, replays=10) / (reps * calls)
 
 
 def layers_that_fit(s: dict, batch: int, ctx: int) -> int:

@@ -338,9 +338,12 @@ def run_engine_process(config: EngineConfig, log_stats_interval: float | None, l
 
         profiler = cProfile.Profile()
         profiler.runcall(loop._run)
-        profiler.dump_stats(profile_path)
-        logger.info("engine process: loop profile in %s; sender thread seconds %s", profile_path,
-                    {k: round(v, 3) for k, v in outbox.seconds.items()})
+        try:  # a debug switch: a bad path costs the profile, not the engine's last message
+            profiler.dump_stats(profile_path)
+            logger.info("engine process: loop profile in %s; sender thread seconds %s", profile_path,
+                        {k: round(v, 3) for k, v in outbox.seconds.items()})
+        except OSError as e:
+            logger.error("engine process: cannot write the loop profile to %s: %s", profile_path, e)
     error = loop.error
     outbox.close(f"the engine failed: {error!r}" if error is not None else "the engine was shut down",
                  _portable(error) if error is not None else None)
