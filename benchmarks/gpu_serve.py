@@ -172,12 +172,18 @@ def offline(model: str, engine: dict, reqs: list[tuple[list[int], int]], detoken
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
+    eng = llm.llm_engine
+    before = (eng.scheduler.stats.steps, eng.step_seconds, eng.runner.device_wait_seconds)
     t, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     sync()
     elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    del llm
+    steps, step_s, wait_s = (b - a for a, b in zip(before, (eng.scheduler.stats.steps, eng.step_seconds,
+                                                             eng.runner.device_wait_seconds)))
+    print(f"offline (detokenize {detokenize}): {steps} steps of {step_s / max(steps, 1) * 1e3:.2f} ms, "
+          f"{wait_s / max(step_s, 1e-9):.0%} of it waiting on the device", flush=True)
+    del llm, eng
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"elapsed_s": elapsed, "output_tokens": tokens, "output_throughput": tokens / elapsed,
@@ -252,6 +258,7 @@ def main() -> None:
             server.stop()
             log = (work / f"server_{frontend}.log").read_text()
             print(f"server ({frontend}) log tail:\n" + "".join(log.splitlines(True)[-15:]))
+            print("".join(line for line in log.splitlines(True)[:-15] if " steps of " in line))
     if not args.skip_offline:
         result["offline"] = offline(model, engine, reqs, detokenize=True)  # as the server: text
         result["offline_token_ids"] = offline(model, engine, reqs, detokenize=False)  # gpu_engine.py's

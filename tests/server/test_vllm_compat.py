@@ -158,14 +158,18 @@ def test_throughput_logger_reports_while_busy_and_once_after():
     log = ThroughputLogger(10.0)
     assert log.observe(EngineStats(), 0.0) is None and log.next_due(EngineStats()) is None
     busy = EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, prompt_tokens=400,
-                       generation_tokens=100, num_steps=50, prefix_cache_queries=400, prefix_cache_hits=100)
+                       generation_tokens=100, num_steps=50, prefix_cache_queries=400, prefix_cache_hits=100,
+                       step_seconds=0.5, device_wait_seconds=0.2)
     assert log.next_due(busy) == 10.0 and log.observe(busy, 5.0) is None  # not yet due
     line = log.observe(busy, 10.0)
     assert line == ("prompt throughput 40.0 tokens/s, generation throughput 10.0 tokens/s, requests running 2, "
-                    "waiting 1, KV cache usage 50.0%, prefix cache hit rate 25.0%")
-    done = EngineStats(prompt_tokens=400, generation_tokens=150, num_steps=60, num_preemptions=2)
+                    "waiting 1, KV cache usage 50.0%, prefix cache hit rate 25.0%, 50 steps of 10.00 ms "
+                    "(40% waiting on the device)")
+    done = EngineStats(prompt_tokens=400, generation_tokens=150, num_steps=60, num_preemptions=2,
+                       step_seconds=0.55, device_wait_seconds=0.2)  # 10 steps, no wait (the CPU's)
     line = log.observe(done, 20.0)
     assert line.startswith("prompt throughput 0.0 tokens/s, generation throughput 5.0") and "2 preemptions" in line
+    assert "10 steps of 5.00 ms, 2 preemptions" in line
     assert log.observe(done, 25.0) is None  # not due again yet
     quiet = log.observe(done, 30.0)  # the interval after the work stopped: one quiet line
     assert quiet is not None and "generation throughput 0.0" in quiet

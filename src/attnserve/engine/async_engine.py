@@ -93,6 +93,12 @@ class ThroughputLogger:
                     f"tokens/s, requests running {stats.num_running}, waiting {stats.num_waiting}, "
                     f"KV cache usage {stats.kv_cache_usage:.1%}, prefix cache hit rate "
                     f"{hits / queries if queries else 0.0:.1%}")
+            steps = stats.num_steps - last.num_steps
+            if steps:
+                line += f", {steps} steps of {(stats.step_seconds - last.step_seconds) / steps * 1e3:.2f} ms"
+                waited = stats.device_wait_seconds - last.device_wait_seconds
+                if waited > 0:  # CUDA: the share of the steps' time the host waited for the device
+                    line += f" ({waited / max(stats.step_seconds - last.step_seconds, 1e-9):.0%} waiting on the device)"
             if stats.num_preemptions != last.num_preemptions:
                 line += f", {stats.num_preemptions - last.num_preemptions} preemptions"
         self.rebase(stats, now)
@@ -347,6 +353,8 @@ class AsyncLLMEngine:
             num_aborted=self._num_aborted,
             prompt_tokens=engine.num_prompt_tokens,
             generation_tokens=engine.num_generation_tokens,
+            step_seconds=engine.step_seconds,
+            device_wait_seconds=engine.runner.device_wait_seconds,
         )
 
     def _fail_pending(self, error: BaseException) -> None:

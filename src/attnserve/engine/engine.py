@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any
 
 from attnserve.config import EngineConfig
@@ -83,6 +84,7 @@ class LLMEngine:
         # token (prefix-cache hits included, as vLLM counts them), and tokens sampled
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.step_seconds = 0.0  # wall time inside ``step`` (the host's work plus its waits)
         if logger.isEnabledFor(logging.INFO):
             for line in self.startup_summary():
                 logger.info("%s", line)
@@ -299,10 +301,11 @@ class LLMEngine:
 
         With async scheduling the outputs are those of the forward launched by the call before,
         read back while this call's forward runs."""
+        t0 = time.perf_counter()
         touched = {id(state): state for state in self._step(final_only)}.values()  # once each
-        if deltas:
-            return [state.to_delta() for state in touched]
-        return [state.to_output() for state in touched]
+        outputs = [state.to_delta() for state in touched] if deltas else [state.to_output() for state in touched]
+        self.step_seconds += time.perf_counter() - t0
+        return outputs
 
     def _step(self, final_only: bool) -> list[RequestState]:
         """``step``'s work; returns the requests whose outputs it reports."""

@@ -53,6 +53,8 @@ class EngineStats:
     num_aborted: int = 0  # requests aborted while the engine still held them
     prompt_tokens: int = 0  # prompt tokens of requests that got their first token
     generation_tokens: int = 0  # tokens sampled
+    step_seconds: float = 0.0  # wall time inside the engine's steps
+    device_wait_seconds: float = 0.0  # of that, blocked on the device (CUDA: the host ran ahead)
 
 
 @dataclass(frozen=True, slots=True)

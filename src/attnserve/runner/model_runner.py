@@ -19,6 +19,7 @@ back. A CUDA graph covers the model's forward only, so sampling is the same in b
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -105,6 +106,7 @@ class ModelRunner:
         self.block_size = groups[0].block_size
         self.block_tables = BlockTables([g.policy is CachePolicy.FULL for g in groups], num_rows=max_num_seqs)
         self.sampler = Sampler()
+        self.device_wait_seconds = 0.0  # time ``collect`` blocked on the device (the host ran ahead)
         for m in model.modules():  # RoPE tables sized once: no per-step host syncs
             if isinstance(m, RotaryEmbedding):
                 m.reserve(max_model_len, device)
@@ -283,7 +285,9 @@ class ModelRunner:
             raise RuntimeError("collect: the step was launched but not sampled (call sample first)")
         result = RunnerOutput()
         if handle.event is not None:
+            t0 = time.perf_counter()
             handle.event.synchronize()
+            self.device_wait_seconds += time.perf_counter() - t0
         if handle.sampled is not None:
             tokens = handle.sampled.tolist()
             lp = handle.logprobs
