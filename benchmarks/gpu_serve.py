@@ -223,8 +223,8 @@ def main() -> None:
     model = model_dir(args.smoke)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     reqs = workload(n, lo, hi, vocab)
-    # under $OUT when set, so the server's log comes back even from a run that is stopped
-    work = Path(tempfile.mkdtemp(prefix="attnserve_serve_run_", dir=os.environ.get("OUT")))
+    # the servers' logs are copied under $OUT when set (the rest stays here: few files come back)
+    work = Path(tempfile.mkdtemp(prefix="attnserve_serve_run_"))
     requests_file = work / "requests.json"
     requests_file.write_text(json.dumps(reqs))
     rates = [float(r) for r in args.rates.split(",")]
@@ -257,6 +257,8 @@ def main() -> None:
         finally:
             server.stop()
             log = (work / f"server_{frontend}.log").read_text()
+            if os.environ.get("OUT"):
+                shutil.copy(work / f"server_{frontend}.log", os.environ["OUT"])
             print(f"server ({frontend}) log tail:\n" + "".join(log.splitlines(True)[-15:]))
             print("".join(line for line in log.splitlines(True)[:-15] if " steps of " in line))
     if not args.skip_offline:

@@ -42,6 +42,13 @@ def test_dummy_lengths_fill_the_budget(total, seqs, max_len):
     assert max(lengths) - min(lengths) <= 1
 
 
+@pytest.mark.parametrize(("longest", "covered", "expected"), [
+    (16384, 64, [2, 4, 8, 16, 32, 128, 256]), (63, 63, [2, 4, 8, 16, 32]), (64, 16, [2, 4, 8, 32, 64]),
+    (1, 1, []), (3, 2, [])])
+def test_warm_up_lengths_cover_each_power_of_two_class(longest, covered, expected):
+    assert profile_run.warm_up_lengths(longest, covered) == expected
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_engine_after_the_pass_equals_one_without(family, tmp_path, monkeypatch):
     model_type, kwargs = FAMILIES[family]
@@ -59,6 +66,7 @@ def test_engine_after_the_pass_equals_one_without(family, tmp_path, monkeypatch)
         return ran[-1]
 
     monkeypatch.setattr(builder, "_PROFILED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(profile_run, "_WARM_UP_DEVICES", ("cuda", "cpu"))  # and its warm-up prefills
     monkeypatch.setattr(builder, "profile_step", spy)
     profiled = LLM(str(tmp_path), **engine).generate(prompts, params)
     assert ran == [None]  # it ran, and measures memory on CUDA only

@@ -9,7 +9,10 @@ one decode step of the same requests. On CUDA it returns the peak bytes allocate
 allocated before it started (weights and the temporary caches), so that
 ``determine_num_blocks`` can leave room for them; the temporary caches are freed and the layers
 rebound by the real allocation afterwards. Before this pass a first long prefill met mid-run
-compiled its Triton kernels inside a user's step (seconds on the H200).
+compiled its Triton kernels inside a user's step (seconds on the H200). On CUDA it then runs one
+small prefill step for each power-of-two query length up to 256 tokens (``warm_up_lengths``):
+kernels pick their tiles by the step's longest query (``pick_config``), so a server whose
+prompts arrive one by one met those variants mid-run, each compile a step of ~0.65 s on the H200.
 
 What this is not: the KV sizing itself (``runner/cache_allocation.py``), nor CUDA-graph capture
 (``runner/cuda_graph.py``, after the real allocation).
@@ -36,9 +39,11 @@ from attnserve.runner.cache_allocation import allocate_kv_cache, allocate_state_
 from attnserve.runner.model_runner import ModelRunner
 from attnserve.sampling_params import SamplingParams
 
-__all__ = ["dummy_lengths", "profile_step"]
+__all__ = ["dummy_lengths", "profile_step", "warm_up_lengths"]
 
 logger = logging.getLogger(__name__)
+
+_WARM_UP_DEVICES = ("cuda",)  # where kernels compile on first use (tests add "cpu")
 
 
 def dummy_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
@@ -50,6 +55,13 @@ def dummy_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
     n = max(n, math.ceil(tokens / longest))
     base, extra = divmod(tokens, n)
     return [base + (i < extra) for i in range(n)]
+
+
+def warm_up_lengths(longest_query: int, covered: int, cap: int = 256) -> list[int]:
+    """Query lengths of the warm-up steps: each power of two from 2 up to ``longest_query`` (the
+    longest a step may have) and ``cap``, but ``covered`` (the profiling step's longest)."""
+    top = min(longest_query, cap)
+    return [n for n in (1 << k for k in range(1, top.bit_length())) if n != covered]
 
 
 def profile_step(model: nn.Module, arch: ModelArch, layout: KVCacheLayout, state_groups: list[KVCacheGroup],
@@ -94,10 +106,19 @@ def profile_step(model: nn.Module, arch: ModelArch, layout: KVCacheLayout, state
     if cuda:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
+    warm = warm_up_lengths(min(sched.max_num_batched_tokens, max_model_len - 1), max(lengths)) if device.type in _WARM_UP_DEVICES else []
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i, n in enumerate(warm):  # one new request a step: its prefill is the step's longest query
+        scheduler.add_request(Request(f"warm-up-{i}", [(i * 31 + j * 7) % vocab for j in range(n)], greedy,
+                                      block_size=block_size))
+        out = scheduler.schedule()
+        if not out.is_empty:
+            scheduler.update(out, runner.execute(out).sampled)
     del runner, scheduler, kv, caches, state_caches
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    logger.info("profiling pass: %d steps over %d dummy requests (%d tokens)%s", steps, len(lengths),
-                sum(lengths), f", peak activations {peak / 1024**2:.0f} MiB" if peak is not None else "")
+    logger.info("profiling pass: %d steps over %d dummy requests (%d tokens)%s%s", steps, len(lengths),
+                sum(lengths), f", peak activations {peak / 1024**2:.0f} MiB" if peak is not None else "",
+                f"; warm-up prefills of {warm} tokens" if warm else "")
     return peak
