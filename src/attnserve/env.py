@@ -11,6 +11,7 @@ import os
 __all__ = [
     "mla_disabled",
     "small_m_gemv",
+    "decodes_by_length",
     "triton_interpret",
     "log_level",
     "log_stats_interval",
@@ -36,6 +37,12 @@ def small_m_gemv() -> bool:
     norm/activation kernel and cuBLAS instead of the fused small-M kernels (``layers/gemv.py``);
     read when a model is built, so an A/B comparison builds one engine per setting."""
     return os.environ.get("ATTNSERVE_SMALL_M_GEMV", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def decodes_by_length() -> bool:
+    """``ATTNSERVE_DECODES_BY_LENGTH=0``: a step's decodes keep the scheduler's order instead of
+    shortest context first (``ModelRunner.launch_forward``; an A/B switch for benchmarks)."""
+    return os.environ.get("ATTNSERVE_DECODES_BY_LENGTH", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def engine_profile() -> str | None:

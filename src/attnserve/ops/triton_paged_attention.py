@@ -219,9 +219,10 @@ def _attend_tiles(acc, m_i, l_i, q, tile_begin, tile_end, k_base, v_base, bt_row
 
 
 @triton.jit
-def _locate(qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, DECODE_ONLY: tl.constexpr):
-    """This program's (request, first token row, new tokens, q block of the request)."""
-    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)  # last (longest) blocks first
+def _locate(qsl_ptr, num_seqs, order, BLOCK_Q: tl.constexpr, DECODE_ONLY: tl.constexpr):
+    """This program's (request, first token row, new tokens, q block of the request), from its
+    rank ``order`` in the launch order of the first grid axis."""
+    q_block_id = tl.num_programs(0) - 1 - order  # last (longest) blocks first
     if DECODE_ONLY:  # max_query_len == 1: program i is request i, no search
         seq = q_block_id
     else:
@@ -348,9 +349,17 @@ def _attention_kernel(
     MERGE_LAST: tl.constexpr, MERGE_CHUNK: tl.constexpr, DECODE_ONLY: tl.constexpr, DT: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    kv_head = tl.program_id(1)
+    if DECODE_ONLY:  # launch order: every KV head of a request before the next request, so
+        # that the last requests (the runner puts the longest decodes last) start first and the
+        # short ones fill the end of the launch; not each head's requests in turn
+        rank = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        kv_head = rank % tl.num_programs(1)
+        order = rank // tl.num_programs(1)
+    else:
+        kv_head = tl.program_id(1)
+        order = tl.program_id(0)
     split = tl.program_id(2)
-    seq, q_start, q_len, q_block = _locate(qsl_ptr, num_seqs, BLOCK_Q, DECODE_ONLY)
+    seq, q_start, q_len, q_block = _locate(qsl_ptr, num_seqs, order, BLOCK_Q, DECODE_ONLY)
     if q_block * BLOCK_Q >= q_len:  # spare program, or a request without new tokens
         return
     seq_len = tl.load(seq_lens_ptr + seq)
