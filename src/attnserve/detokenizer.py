@@ -8,7 +8,9 @@ the next tokens may complete it. ``flush()`` returns what is held back once the 
 Each step decodes a short window of recent tokens, not the whole output (vLLM's prefix and read
 offsets): the window starts at a token already emitted, so that decoders which treat the first
 token specially (a leading "▁" dropped, skipped special tokens) see the same start in both
-decodes and their difference is the new text.
+decodes and their difference is the new text. The context's text is decoded once per window
+(and a one-token context, the common case, is looked up per tokenizer), so a step costs about
+one decode.
 
 Trailing U+FFFD is held back only while a later token can still change it. Where the tokenizer
 says which bytes its tokens add (``Tokenizer.token_bytes``: the byte tokenizer, whose ids past
@@ -26,6 +28,7 @@ tokenizers it does not start with the space that vLLM keeps).
 from __future__ import annotations
 
 import codecs
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -66,6 +69,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: tokens in [prefix, read) are context, emitted
         self._read_offset = 0  # tokens from here on are not (fully) emitted yet
         self._num_held_emitted = 0  # chars of the window's new text emitted before its tail
+        self._prefix_text: str | None = None  # decode of [prefix, read): fixed until they move
+        self._one_token_texts = _one_token_texts(tokenizer, skip_special_tokens)
 
     def step(self, new_ids: Sequence[int]) -> str:
         """Append ``new_ids`` to the output and return the text they complete.
@@ -109,12 +114,23 @@ class IncrementalDetokenizer:
     def _window_text(self, end: int | None = None) -> str:
         """The text of tokens ``[read_offset, end)`` (default: all), decoded in the window."""
         ids, start = self.output_ids, self._prefix_offset
-        skip = self.skip_special_tokens
-        prefix_text = self.tokenizer.decode(
-            ids[start : self._read_offset], skip_special_tokens=skip
-        )
-        full_text = self.tokenizer.decode(ids[start:end], skip_special_tokens=skip)
-        return full_text[len(prefix_text) :]
+        if self._prefix_text is None:
+            self._prefix_text = self._decode_prefix()
+        full_text = self.tokenizer.decode(ids[start:end], skip_special_tokens=self.skip_special_tokens)
+        return full_text[len(self._prefix_text) :]
+
+    def _decode_prefix(self) -> str:
+        """The text of the window's context ``[prefix_offset, read_offset)``. After one token per
+        step it is the token before last alone, whose text is remembered per tokenizer."""
+        start, end = self._prefix_offset, self._read_offset
+        if end - start != 1:
+            return self.tokenizer.decode(self.output_ids[start:end], skip_special_tokens=self.skip_special_tokens)
+        token_id = self.output_ids[start]
+        text = self._one_token_texts.get(token_id)
+        if text is None:
+            text = self._one_token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=self.skip_special_tokens)
+        return text
 
     def _advance(self, new_text: str, end: int | None = None) -> None:
         # The next window starts at the tokens just emitted, unless they rendered nothing (skipped
@@ -124,6 +140,7 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
         self._read_offset = len(self.output_ids) if end is None else end
         self._num_held_emitted = 0
+        self._prefix_text = None
 
     def _final_cut(self) -> int | None:
         """The last cut ``q`` among the held tokens (``read_offset < q <= len``) that no later
@@ -149,6 +166,21 @@ class IncrementalDetokenizer:
             if len(tail) >= 3:
                 break
         return tail[-3:]
+
+
+# per tokenizer, the text of each single token decoded with and without special tokens: the
+# window's context is mostly one token, and a tokenizer's decode of it never changes
+_ONE_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _one_token_texts(tokenizer: Tokenizer, skip_special_tokens: bool) -> dict[int, str]:
+    try:
+        texts = _ONE_TOKEN_TEXTS.get(tokenizer)
+        if texts is None:
+            texts = _ONE_TOKEN_TEXTS[tokenizer] = ({}, {})
+    except TypeError:  # not weakly referable: this detokenizer keeps its own
+        texts = ({}, {})
+    return texts[skip_special_tokens]
 
 
 def _unfinished(tail: bytes) -> bool:

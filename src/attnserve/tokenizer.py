@@ -271,6 +271,9 @@ class FastTokenizer(Tokenizer):
         return [self.backend.id_to_token(i) or "" for i in ids]
 
 
+_SINGLE_BYTES = [bytes([b]) for b in range(256)]
+
+
 class ByteTokenizer(Tokenizer):
     """Ids 0..255 are UTF-8 bytes; ``bos_token_id``/``eos_token_id`` (>= 256) are special tokens;
     every other id below ``vocab_size`` decodes to U+FFFD. It has no chat template."""
@@ -301,7 +304,7 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = ids if isinstance(ids, (list, tuple)) else list(ids)
-        if not any(i in ids for i in self._special_names):
+        if self._special_names.keys().isdisjoint(ids):
             # Without special tokens, an id >= 256 decodes exactly as the byte 0xFF would: one
             # U+FFFD that ends the byte run before it (never valid UTF-8, it ends any sequence)
             try:
@@ -336,7 +339,7 @@ class ByteTokenizer(Tokenizer):
         # skipped they do not cut a byte run, shown they do
         if token_id in self._special_names or not 0 <= token_id < self.vocab_size:
             return None
-        return bytes([token_id]) if token_id < 256 else b"\xff"
+        return _SINGLE_BYTES[token_id] if token_id < 256 else b"\xff"
 
     def _token_str(self, token_id: int) -> str:
         if 0x21 <= token_id <= 0x7E:  # printable ASCII as itself, other bytes as <0xNN>

@@ -93,8 +93,9 @@ class Scheduler:
                 continue
             if snapshots:  # on a block boundary: keep the state there before this step moves on
                 self._save_state(req)
-            num_new = self._align(req, req.num_computed_tokens,
-                                  min(req.num_known_tokens - req.num_computed_tokens, budget))
+            num_new = min(req.num_known_tokens - req.num_computed_tokens, budget)
+            if snapshots:
+                num_new = self._align(req, req.num_computed_tokens, num_new)
             if len(self.running) == 1 or focus is not None:  # alone: a smaller chunk may fit
                 num_new = self._fit(req, num_new)
             if not num_new or not self.kv.allocate_slots(req, num_new):

@@ -13,6 +13,7 @@ from typing import Protocol
 from attnserve.kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock
 from attnserve.kvcache.groups import KVCacheGroup
 from attnserve.kvcache.policies import SingleTypeManager, create_manager
+from attnserve.kvcache.spec import CachePolicy
 from attnserve.kvcache.state import StatePool
 
 __all__ = ["CacheRequest", "KVCacheManager"]
@@ -47,6 +48,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.managers: list[SingleTypeManager] = [create_manager(g, self.pool) for g in groups]
         self._no_hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in groups)  # never filled
+        # full attention never drops a running request's blocks: tokens that fit the blocks it
+        # holds need no allocation at all (``allocate_slots``' fast path)
+        self._blocks_only_grow = all(g.policy == CachePolicy.FULL for g in groups)
         # hybrid models: per-sequence state slots, and snapshots at block boundaries
         self.state_pool = state_pool
         self._restore: dict[str, int] = {}  # request -> snapshot slot its prefix hit restores
@@ -120,11 +124,14 @@ class KVCacheManager:
         Returns:
             False when the pool cannot hold them (the caller preempts or waits); True otherwise.
         """
-        new_computed = new_computed_blocks or self._no_hits
         rid = request.request_id
+        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if not new_computed_blocks and self._holds_room(rid, total_tokens):
+            self._cache_blocks(request, total_tokens)  # most decode steps end here
+            return True
+        new_computed = new_computed_blocks or self._no_hits
         for m in self.managers:
             m.remove_skipped_blocks(rid, request.num_computed_tokens)
-        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         needed = 0
         for m, hits in zip(self.managers, new_computed):
             needed += m.num_blocks_to_allocate(rid, total_tokens, hits)
@@ -139,13 +146,29 @@ class KVCacheManager:
             snapshot = self._restore.pop(rid, None)
             if snapshot is not None and num_new_computed_tokens:
                 self._state_copies.append((snapshot, slot))
+        self._cache_blocks(request, total_tokens)
+        return True
+
+    def _holds_room(self, request_id: str, total_tokens: int) -> bool:
+        """Whether the request already holds blocks for ``total_tokens`` tokens in every group,
+        its state slot included, with none to drop: then ``allocate_slots`` has nothing to do but
+        index the blocks that fill up."""
+        if not self._blocks_only_grow:
+            return False
+        if self.state_pool is not None and request_id not in self.state_pool.slot_of:
+            return False
+        for m in self.managers:
+            if len(m.block_ids_of(request_id)) * m.block_size < total_tokens:
+                return False
+        return True
+
+    def _cache_blocks(self, request: CacheRequest, total_tokens: int) -> None:
+        """Index the request's blocks that are full once this step runs; their content is written
+        before any request of the same step reads it (each layer writes all new K/V, then attends)."""
         if self.enable_caching and request.cacheable:
-            # blocks that are full once this step runs; their content is written before any
-            # request of the same step reads it (each layer writes all new K/V, then attends)
             cached_len = min(total_tokens, request.num_tokens)
             for m in self.managers:
-                m.cache_blocks(rid, request.block_hashes, cached_len)
-        return True
+                m.cache_blocks(request.request_id, request.block_hashes, cached_len)
 
     def cache_known_blocks(self, request: CacheRequest) -> None:
         """Index the request's computed blocks that a token just appended has filled.

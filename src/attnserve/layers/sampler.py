@@ -139,7 +139,7 @@ class SamplingBatch:
         """
 
         def column(values: list, dtype: torch.dtype, default) -> torch.Tensor | None:
-            if all(v == default for v in values):
+            if values.count(default) == len(values):  # all(v == default), without a Python loop
                 return None
             return _on(device, values, dtype)
 
@@ -150,13 +150,13 @@ class SamplingBatch:
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         top_ks = [p.top_k for p in params if p.top_k > 0]
         bias = allowed = None
-        if any(p.edits_logits for p in params):
+        if any([p.edits_logits for p in params]):  # a list: cheaper than a generator per row
             bias, allowed = _logit_edits(params, device)
         if token_bitmask is not None:
             token_bitmask = (_on(device, token_bitmask[0], torch.int64), to_device(token_bitmask[1], device))
         return cls(
             temperature=_on(device, temps, torch.float32),
-            top_k=column([max(p.top_k, 0) for p in params], torch.int64, 0),
+            top_k=column([p.top_k if p.top_k > 0 else 0 for p in params], torch.int64, 0),
             top_p=column([p.top_p for p in params], torch.float32, 1.0),
             min_p=column([p.min_p for p in params], torch.float32, 0.0),
             generators=tuple(generators),

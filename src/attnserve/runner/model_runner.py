@@ -298,10 +298,10 @@ class ModelRunner:
             self.device_wait_seconds += time.perf_counter() - t0
         if handle.sampled is not None:
             tokens = handle.sampled.tolist()
+            result.sampled = {r.request_id: t for r, t in zip(handle.sample_reqs, tokens)}
             lp = handle.logprobs
-            for j, r in enumerate(handle.sample_reqs):
-                result.sampled[r.request_id] = tokens[j]
-                if r.sampling_params.logprobs is not None and lp is not None:
+            for j, r in enumerate(handle.sample_reqs if lp is not None else ()):
+                if r.sampling_params.logprobs is not None:
                     k = r.sampling_params.logprobs
                     result.logprobs[r.request_id] = (lp.token_ids[j, : k + 1].tolist(),
                                                      lp.logprobs[j, : k + 1].tolist(), int(lp.ranks[j]))
