@@ -76,7 +76,7 @@ LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 129]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 def test_kernel_matches_the_bucketed_twin_and_the_reference(dtype, head, group, monkeypatch):
     gen = torch.Generator().manual_seed(head * 10 + group + (dtype == torch.bfloat16))
     num_kv, block = 2, 16
@@ -116,8 +116,8 @@ def test_kernel_block_sizes_and_strided_query(block):
 
 def test_kernel_rejects_bad_inputs():
     gen = torch.Generator().manual_seed(0)
-    common, kc, vc = decode_batch([5, 9], 2, 8, 4, torch.float32, gen)
-    q, out = torch.randn(2, 4, 8), torch.empty(2, 4, 8)
+    common, kc, vc = decode_batch([5, 9], 2, 16, 4, torch.float32, gen)
+    q, out = torch.randn(2, 4, 16), torch.empty(2, 4, 16)
     bt, seq = common.block_tables[0], common.seq_lens
 
     def call(**kw):
@@ -133,16 +133,18 @@ def test_kernel_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="share a dtype"):
         call(q=q.bfloat16())
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
-        call(q=torch.randn(2, 3, 8), out=torch.empty(2, 3, 8))
+        call(q=torch.randn(2, 3, 16), out=torch.empty(2, 3, 16))
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        call(q=q[..., :12], key_cache=kc[..., :12], value_cache=vc[..., :12], out=out[..., :12])
 
 
 def test_unsupported_layers_take_the_bucketed_path(monkeypatch):
     """A window (like ALiBi, sinks, soft-capping and fp8 caches) is not the kernel's: the step
     builds buckets for that layer, and the result is the reference's."""
     gen = torch.Generator().manual_seed(1)
-    common, kc, vc = decode_batch([3, 20, 40], 2, 8, 4, torch.float32, gen)
-    q, k, v = (torch.randn(3, h, 8, generator=gen) for h in (4, 2, 2))
-    layer = SimpleNamespace(**{**vars(plain_layer(8)), "window": 7})
+    common, kc, vc = decode_batch([3, 20, 40], 2, 16, 4, torch.float32, gen)
+    q, k, v = (torch.randn(3, h, 16, generator=gen) for h in (4, 2, 2))
+    layer = SimpleNamespace(**{**vars(plain_layer(16)), "window": 7})
     assert not cpu_paged_decode.supports(layer, q, kc, vc)
     monkeypatch.setenv("ATTNSERVE_CPU_DECODE_KERNEL", "1")
     ref_k, ref_v = kc.clone(), vc.clone()
