@@ -17,6 +17,7 @@ __all__ = [
     "log_stats_interval",
     "force_platform",
     "cpu_threads",
+    "cpu_decode_kernel",
     "disable_nccl_multicast",
     "hf_hub_offline",
     "hf_hub_cache",
@@ -92,6 +93,12 @@ def cpu_threads() -> int | None:
     """``ATTNSERVE_CPU_THREADS``: torch intra-op threads on CPU (default: torch's choice)."""
     value = os.environ.get("ATTNSERVE_CPU_THREADS", "").strip()
     return int(value) if value else None
+
+
+def cpu_decode_kernel() -> bool:
+    """``ATTNSERVE_CPU_DECODE_KERNEL=0``: CPU decodes take TORCH_SDPA's bucketed SDPA path
+    instead of the C++ paged decode kernel (``ops/cpu_paged_decode.py``); read every step."""
+    return os.environ.get("ATTNSERVE_CPU_DECODE_KERNEL", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def hf_hub_offline() -> bool:

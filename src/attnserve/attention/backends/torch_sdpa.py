@@ -1,6 +1,9 @@
 """TORCH_SDPA: standard attention over the paged cache with PyTorch on any device.
 
-Decodes are batched: sorted by context length and split into a few buckets (``split_decodes``:
+On an x86-64 CPU with AVX2, decodes of plain causal layers (no window, ALiBi, sinks or
+soft-capping; a float cache) go to a C++ kernel that reads the cache blocks in place
+(``ops/cpu_paged_decode.py``; ``ATTNSERVE_CPU_DECODE_KERNEL=0`` turns it off); the path below
+is its twin and serves every other case. Decodes are batched: sorted by context length and split into a few buckets (``split_decodes``:
 fewer padded keys against one more call per layer), each bucket's K/V blocks gathered from the
 pages (whole blocks, contiguous copies) into one padded batch and attended in one call with a
 padding/window mask. The buckets, their block ids, key positions and masks are built once per
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.streaming import attend_streaming
 from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.ops import cpu_paged_decode
 
 __all__ = ["TorchSDPABackend", "TorchSDPAMetadata", "attend"]
 
@@ -50,9 +54,14 @@ class TorchSDPAMetadata:
     decode_blocks: torch.Tensor | None  # [B_dec, max_blocks] block ids of each decode (0 = pad)
     decode_query_pos: torch.Tensor | None  # [B_dec]
     prefills: list[tuple[int, int, int, int, torch.Tensor]]  # (q_start, q_end, context, seq_len, blocks)
+    all_slots_valid: bool = False  # no -1 in slot_mapping: the cache write needs no mask
+    decode_table: torch.Tensor | None = None  # [B_dec, W] int32 block table rows of the decodes
+    decode_seq_lens: torch.Tensor | None = None  # [B_dec] int32
+    decode_lens: list[int] | None = None  # the same on the host
+    decode_kernel: bool = False  # the CPU decode kernel may serve this step's plain layers
+    # the bucketed path's split, built by the first layer that takes it (shared by the rest)
     decode_order: torch.Tensor | None = None  # [B_dec] decode rows sorted by length; None: as they are
     decode_buckets: list[DecodeBucket] | None = None
-    all_slots_valid: bool = False  # no -1 in slot_mapping: the cache write needs no mask
 
 
 def split_decodes(num_blocks: list[int], cost: int, max_groups: int = 64) -> list[tuple[int, int, int]]:
@@ -158,12 +167,11 @@ class TorchSDPABackend(AttentionBackend):
         bt = common.block_tables[group_id]
         bs = self.block_size
         nd = common.num_decodes
-        dec_blocks = dec_qpos = order = buckets = None
+        dec_blocks = dec_qpos = None
         if nd:
             lens = common.seq_lens_cpu[:nd]
             dec_blocks = bt[:nd, : -(-max(lens) // bs)].long()
             dec_qpos = common.seq_lens[:nd].long() - 1
-            order, buckets = self._decode_buckets(lens, bt, common.seq_lens[:nd])
         prefills = []
         q = common.query_start_loc_cpu
         for i in range(nd, common.num_reqs):
@@ -174,13 +182,17 @@ class TorchSDPABackend(AttentionBackend):
         # checked on the host only: on a GPU the check would wait for the stream every step, so
         # there the write keeps its mask
         all_valid = slots.device.type == "cpu" and bool((slots >= 0).all())
-        return TorchSDPAMetadata(slots, nd, dec_blocks, dec_qpos, prefills, order, buckets, all_valid)
+        kernel = bool(nd) and slots.device.type == "cpu" and cpu_paged_decode.available()
+        return TorchSDPAMetadata(slots, nd, dec_blocks, dec_qpos, prefills, all_valid, bt[:nd],
+                                 common.seq_lens[:nd].to(torch.int32).contiguous(), common.seq_lens_cpu[:nd], kernel)
 
-    def _decode_buckets(self, lens: list[int], bt: torch.Tensor,
-                        seq: torch.Tensor) -> tuple[torch.Tensor | None, list[DecodeBucket]]:
-        """Decodes sorted by length (the order, None where they already are) and split into
-        buckets, each with its block ids, key distances and validity (shared by every layer)."""
-        bs = self.block_size
+    def _decode_buckets(self, metadata: TorchSDPAMetadata) -> list[DecodeBucket]:
+        """The step's decode buckets, built by the first layer that asks: decodes sorted by
+        length (``decode_order``, None where they already are) and split into buckets, each
+        with its block ids, key distances and validity (shared by every layer)."""
+        if metadata.decode_buckets is not None:
+            return metadata.decode_buckets
+        bs, bt, seq, lens = self.block_size, metadata.decode_table, metadata.decode_seq_lens, metadata.decode_lens
         nblk = [-(-n // bs) for n in lens]
         rows = sorted(range(len(lens)), key=nblk.__getitem__, reverse=True)
         runs = split_decodes([nblk[i] for i in rows], -(-BUCKET_COST_KEYS // bs))
@@ -195,7 +207,8 @@ class TorchSDPABackend(AttentionBackend):
             qpos = seq_sorted[start:end, None] - 1
             buckets.append(DecodeBucket(start, end, bt_sorted[start:end, :width].long(), (qpos - pos)[:, None],
                                         (pos < qpos + 1)[:, None], {}))
-        return order, buckets
+        metadata.decode_order, metadata.decode_buckets = order, buckets
+        return buckets
 
     @staticmethod
     def _write(layer, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -237,7 +250,10 @@ class TorchSDPABackend(AttentionBackend):
         if getattr(layer, "streaming", None) is not None:
             return self._forward_streaming(layer, q, key_cache, value_cache, read, metadata, out)
         plain = layer.alibi_slopes is None and layer.sinks is None and layer.softcap is None
-        if nd:
+        if nd and metadata.decode_kernel and not fp8 and cpu_paged_decode.supports(layer, q, key_cache, value_cache):
+            cpu_paged_decode.paged_decode(q[:nd], key_cache, value_cache, metadata.decode_table,
+                                          metadata.decode_seq_lens, layer.scale, out[:nd])
+        elif nd:
             self._decode(layer, q[:nd], out[:nd], key_cache, value_cache, read, metadata, plain)
         for start, end, context, seq_len, blocks in metadata.prefills:
             keys = read(key_cache, blocks, layer.k_scale)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
@@ -253,14 +269,14 @@ class TorchSDPABackend(AttentionBackend):
             out[start:end] = o[0].transpose(0, 1)
         return out
 
-    @staticmethod
-    def _decode(layer, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    def _decode(self, layer, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 read, metadata: TorchSDPAMetadata, plain: bool) -> None:
         """The decodes' attention, bucket by bucket: q [B_dec, H, D] -> out [B_dec, H, Dv]."""
+        buckets = self._decode_buckets(metadata)
         order = metadata.decode_order
         qs = q if order is None else q.index_select(0, order)
         outs = out if order is None else torch.empty_like(out)
-        for bk in metadata.decode_buckets:
+        for bk in buckets:
             keys = read(key_cache, bk.blocks, layer.k_scale).transpose(1, 2)  # [b, Hkv, S, D]
             vals = read(value_cache, bk.blocks, layer.v_scale).transpose(1, 2)
             qb = qs[bk.start:bk.end].unsqueeze(2)  # [b, H, 1, D]

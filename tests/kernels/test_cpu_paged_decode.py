@@ -1,0 +1,179 @@
+"""The CPU paged decode kernel (``ops/cpu_paged_decode.py``) against its twins: TORCH_SDPA's
+bucketed SDPA decode and the reference attention, on random paged caches as the backend sees
+them (non-contiguous block tables, block 0 null, partial last blocks, padded rows with slot -1);
+and an engine's greedy output with the kernel on and off."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
+from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.attention.reference import paged_attention, write_kv
+from attnserve.ops import cpu_paged_decode
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    """Skips where no C++ compiler exists (or the CPU is not x86-64 with AVX2); elsewhere the
+    build must succeed."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the CPU decode kernel cannot be built")
+    why = cpu_paged_decode._cpu_ok()
+    if why is not None:
+        pytest.skip(f"the CPU decode kernel needs x86-64 with AVX2: {why}")
+    assert cpu_paged_decode.available(), "the CPU decode kernel failed to build (see the log)"
+
+
+def decode_batch(lens, num_kv, head, block, dtype, gen, pad_rows=0):
+    """Decodes with ``lens`` keys each (the last one new), random non-contiguous block tables,
+    and ``pad_rows`` padded rows at the end (one key in the null block 0, slot -1, as a
+    padded batch has them)."""
+    nblk = [-(-n // block) for n in lens]
+    num_blocks = sum(nblk) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    width = max(nblk) + 1  # a spare column of zeros, as a step's table has
+    bt = torch.zeros(len(lens) + pad_rows, width, dtype=torch.int32)
+    slots = []
+    for i, (n, k) in enumerate(zip(lens, nblk)):
+        bt[i, :k] = torch.tensor(perm[:k])
+        perm = perm[k:]
+        slots.append(int(bt[i, (n - 1) // block]) * block + (n - 1) % block)
+    seq = list(lens) + [1] * pad_rows
+    slots += [-1] * pad_rows
+    b = len(seq)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32), seq_lens=torch.tensor(seq, dtype=torch.int32),
+        positions=torch.tensor(seq) - 1, block_tables=[bt], slot_mappings=[torch.tensor(slots)],
+        query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=seq, num_decodes=b, max_query_len=1, max_seq_len=max(seq))
+    kc, vc = (torch.randn(num_blocks, block, num_kv, head, generator=gen).to(dtype) for _ in range(2))
+    kc[0] = vc[0] = 0  # the null block is zeroed
+    return common, kc, vc
+
+
+def plain_layer(head):
+    return SimpleNamespace(scale=head ** -0.5, window=None, alibi_slopes=None, sinks=None, softcap=None,
+                           k_scale=1.0, v_scale=1.0)
+
+
+def run_backend(block, layer, q, k, v, kc, vc, common, monkeypatch, kernel_on: bool):
+    monkeypatch.setenv("ATTNSERVE_CPU_DECODE_KERNEL", "1" if kernel_on else "0")
+    backend = TorchSDPABackend(block)
+    meta = backend.build_metadata(common, 0)
+    assert meta.decode_kernel == kernel_on
+    kc, vc = kc.clone(), vc.clone()
+    out = backend.forward(layer, q, k, v, (kc, vc), meta)
+    assert (meta.decode_buckets is None) == kernel_on  # the kernel needs no buckets
+    return out, kc, vc
+
+
+LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 129]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_kernel_matches_the_bucketed_twin_and_the_reference(dtype, head, group, monkeypatch):
+    gen = torch.Generator().manual_seed(head * 10 + group + (dtype == torch.bfloat16))
+    num_kv, block = 2, 16
+    common, kc, vc = decode_batch(LENGTHS, num_kv, head, block, dtype, gen, pad_rows=2)
+    b = common.num_reqs
+    q = torch.randn(b, num_kv * group, head, generator=gen).to(dtype)
+    k, v = (torch.randn(b, num_kv, head, generator=gen).to(dtype) for _ in range(2))
+    layer = plain_layer(head)
+    out, kc_out, vc_out = run_backend(block, layer, q, k, v, kc, vc, common, monkeypatch, True)
+    twin, kc_twin, _ = run_backend(block, layer, q, k, v, kc, vc, common, monkeypatch, False)
+    assert torch.equal(kc_out, kc_twin)  # the same cache write
+    ref = paged_attention(q.float(), kc_out.float(), vc_out.float(), common.block_tables[0], common.query_start_loc,
+                          common.seq_lens, scale=layer.scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out, twin, atol=2e-5, rtol=2e-5)
+    else:  # float32 accumulation, one rounding to bf16: within a bf16 step of the exact result
+        torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out.float(), twin.float(), atol=2e-2, rtol=2e-2)
+    assert (out[-2:] == 0).all()  # padded rows read the zeroed null block
+
+
+@pytest.mark.parametrize("block", [4, 16, 32])
+def test_kernel_block_sizes_and_strided_query(block):
+    """Block sizes under, at and over the kernel's 16-key tile; q as a strided view of a fused
+    QKV projection and out as a strided slice; float16."""
+    gen = torch.Generator().manual_seed(block)
+    common, kc, vc = decode_batch([1, 3, 4, 5, 33, 70], 1, 16, block, torch.float16, gen)
+    qkv = torch.randn(6, 6, 16, generator=gen).to(torch.float16)  # [B, H + 2 * Hkv, D]
+    q = qkv[:, :4]
+    out = torch.zeros(6, 8, 16, dtype=torch.float16)[:, ::2]
+    cpu_paged_decode.paged_decode(q, kc, vc, common.block_tables[0], common.seq_lens, 0.3, out)
+    ref = paged_attention(q.float(), kc.float(), vc.float(), common.block_tables[0], common.query_start_loc,
+                          common.seq_lens, scale=0.3)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_kernel_rejects_bad_inputs():
+    gen = torch.Generator().manual_seed(0)
+    common, kc, vc = decode_batch([5, 9], 2, 16, 4, torch.float32, gen)
+    q, out = torch.randn(2, 4, 16), torch.empty(2, 4, 16)
+    bt, seq = common.block_tables[0], common.seq_lens
+
+    def call(**kw):
+        args = dict(q=q, key_cache=kc, value_cache=vc, block_table=bt, seq_lens=seq, scale=1.0, out=out) | kw
+        cpu_paged_decode.paged_decode(**args)
+
+    with pytest.raises(RuntimeError, match="block id"):
+        call(block_table=torch.full_like(bt, kc.shape[0]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(seq_lens=torch.tensor([5, 99], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="int32"):
+        call(block_table=bt.long())
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        call(q=q.bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        call(q=torch.randn(2, 3, 16), out=torch.empty(2, 3, 16))
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        call(q=q[..., :12], key_cache=kc[..., :12], value_cache=vc[..., :12], out=out[..., :12])
+
+
+def test_unsupported_layers_take_the_bucketed_path(monkeypatch):
+    """A window (like ALiBi, sinks, soft-capping and fp8 caches) is not the kernel's: the step
+    builds buckets for that layer, and the result is the reference's."""
+    gen = torch.Generator().manual_seed(1)
+    common, kc, vc = decode_batch([3, 20, 40], 2, 16, 4, torch.float32, gen)
+    q, k, v = (torch.randn(3, h, 16, generator=gen) for h in (4, 2, 2))
+    layer = SimpleNamespace(**{**vars(plain_layer(16)), "window": 7})
+    assert not cpu_paged_decode.supports(layer, q, kc, vc)
+    monkeypatch.setenv("ATTNSERVE_CPU_DECODE_KERNEL", "1")
+    ref_k, ref_v = kc.clone(), vc.clone()
+    write_kv(ref_k, ref_v, k, v, common.slot_mappings[0])
+    ref = paged_attention(q, ref_k, ref_v, common.block_tables[0], common.query_start_loc, common.seq_lens,
+                          scale=layer.scale, window=7)
+    backend = TorchSDPABackend(4)
+    meta = backend.build_metadata(common, 0)
+    out = backend.forward(layer, q, k, v, (kc, vc), meta)
+    assert meta.decode_kernel and meta.decode_buckets is not None
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_engine_greedy_output_equals_with_the_kernel_off(tmp_path, monkeypatch):
+    from attnserve import LLM, SamplingParams
+    from tests.models.parity import build_hf_model, make_prompts, run_engine
+
+    build_hf_model("llama", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128), tmp_path)
+    prompts = make_prompts([3, 17, 30, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    calls = []
+    kernel_call = cpu_paged_decode.paged_decode
+    monkeypatch.setattr(cpu_paged_decode, "paged_decode", lambda *a: calls.append(1) or kernel_call(*a))
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ATTNSERVE_CPU_DECODE_KERNEL", flag)
+        llm = LLM(str(tmp_path), dtype="float32", block_size=4, attention_backend="TORCH_SDPA")
+        outs[flag] = [o.outputs[0].token_ids for o in run_engine(llm, prompts, params)]
+        assert bool(calls) == (flag == "1")
+        calls.clear()
+    assert outs["1"] == outs["0"]
