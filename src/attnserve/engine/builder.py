@@ -34,6 +34,7 @@ from attnserve.layers.moe import FusedExperts
 from attnserve.models.quantized import QuantScheme, dequantized_weights
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import check_finite_weights, dummy_init, iter_safetensors
+from attnserve.ops import cpu_paged_decode
 from attnserve.platforms import Platform, current_platform, get_platform
 from attnserve.runner.cache_allocation import (
     allocate_kv_cache,
@@ -233,6 +234,8 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     host_latents = plan_host_latents(config, arch, plan.layout, max_len,
                                      config.scheduler.max_num_seqs)  # None unless kv_offload_sparse_latents
     backends = wrap_backends(host_latents, groups, backends, device)
+    if device.type == "cpu" and "TORCH_SDPA" in backend_names:
+        cpu_paged_decode.available()  # built (once, then cached) here, not in a user's first decode step
 
     model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[plan.dtype])
     if parallel is not None:  # every rank loaded the whole checkpoint: keep this rank's shard

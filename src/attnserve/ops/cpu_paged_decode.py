@@ -57,7 +57,9 @@ def _build() -> bool:
             start = time.perf_counter()
             cpp_extension.load("attnserve_cpu_paged_decode", [str(_SOURCE)], extra_cflags=_CFLAGS,
                                extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
-            logger.debug("CPU decode kernel loaded in %.1f s", time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            (logger.info if seconds > 1.0 else logger.debug)("CPU decode kernel built in %.1f s (cached for the "
+                                                              "next start)", seconds)
             return True
         except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path stays
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
