@@ -115,6 +115,7 @@ from mechanism_cases import (  # noqa: E402
     parse_sizes,
 )
 from mechanism_report import (  # noqa: E402
+    DEFAULT_EXPERTS,
     JSON_NAME,
     docs_block,
     environment,
@@ -134,7 +135,7 @@ from mechanism_timing import (  # noqa: E402
 
 # option defaults on the device and in the smoke run (an option given on the command line wins)
 DEFAULTS = {"cases": ",".join(CASES), "batches": "1,8,64", "contexts": "1K,8K,32K,64K,128K",
-            "dsa_long_batches": "1,32", "experts": 16, "new": 64, "repeats": 3, "block_size": None}
+            "dsa_long_batches": "1,32", "experts": DEFAULT_EXPERTS, "new": 64, "repeats": 3, "block_size": None}
 SMOKE_DEFAULTS = {"cases": ",".join([*(n for n in CASES if n not in HYBRIDS), *SMOKE_HYBRIDS]), "batches": "1,2",
                   "contexts": "32,64", "dsa_long_batches": "1", "experts": SMOKE_EXPERTS,
                   "new": 3, "repeats": 1, "block_size": 8}  # blocks of 8: a prefix hit recomputes less

@@ -22,6 +22,7 @@ MARK_BEGIN = "<!-- gpu_mechanisms:begin -->"
 MARK_END = "<!-- gpu_mechanisms:end -->"
 DOCS_TITLE = "## Per-mechanism decode and prefill (benchmarks/gpu_mechanisms.py)"
 JSON_NAME = "gpu_mechanisms.json"
+DEFAULT_EXPERTS = 16  # the DeepSeek/GLM cuts' routed experts unless --experts says otherwise
 
 
 # --- output -------------------------------------------------------------------------------
@@ -128,12 +129,15 @@ def cell_key(cell: dict) -> tuple:
     """Cells of other block sizes, cache dtypes or state backends are other measurements, not
     replacements."""
     return (cell["cell"], cell["case"], cell["context"], cell["batch"], cell.get("block_size"),
-            cell.get("kv_cache_dtype"), cell.get("state_backend"))
+            cell.get("kv_cache_dtype"), cell.get("state_backend"), cell.get("routed_experts"))
 
 
 def backend_label(cell: dict) -> str:
-    """The backend, with the block size and cache dtype when they are not the defaults."""
+    """The backend, with the block size, cache dtype and routed experts of a DeepSeek/GLM cut
+    when they are not the defaults."""
     extra = [f"block {cell['block_size']}"] if cell.get("block_size") not in (None, 16) else []
+    if cell.get("routed_experts") not in (None, DEFAULT_EXPERTS):
+        extra.append(f"{cell['routed_experts']} experts")
     if cell.get("kv_cache_dtype") == "fp8":
         extra.append("fp8 cache")
     return cell["backend"] + (f" ({', '.join(extra)})" if extra else "")

@@ -303,6 +303,8 @@ def run_context(case: Case, path: str, context: int, batches: list[int], args, r
             "context": context}
     if case.state:
         base["state_backend"] = case.backend_name(state_backend)
+    if case.cut_experts:  # --experts: a cut of another width is another measurement
+        base["routed_experts"] = args.experts
     if rec.out_of_time():
         rec.not_run(base, batches, "skipped", rec.budget_reason(), prefill=True)
         return
