@@ -219,7 +219,7 @@ for _e in (
            "MLA in PyTorch: expanded prefill, absorbed (MQA over latent rows) decode",
            layer_kinds=frozenset({LayerKind.MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_ANY),
-    _entry("TRITON_MLA", "attnserve.attention.backends.triton_mla:TritonMLABackend", "Triton absorbed MLA decode over the paged latent cache",
+    _entry("TRITON_MLA", "attnserve.attention.backends.triton_mla:TritonMLABackend", "Triton absorbed MLA (decodes, short prefills) over the paged latent cache",
            layer_kinds=frozenset({LayerKind.MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_GPU, requires=("triton",)),
     _entry("FLASHMLA", None, "FlashMLA dense decode (library, Hopper)",

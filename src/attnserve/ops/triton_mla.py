@@ -12,8 +12,10 @@ dequantised in registers.
 
 The result is ``u`` [B, H, kv_lora_rank]; ``W_UV`` and ``o_proj`` are the caller's. The jit
 helpers below (query and row loads, the online-softmax tile, the row store) are shared with
-``ops/triton_mla_sparse.py``. Not here: prefill (the backend keeps the expanded PyTorch path),
-writing the cache (``backends/torch_mla.write_latent_rows``), the indexer. The PyTorch twin is
+``ops/triton_mla_sparse.py``. A query row need not be a decode: the TRITON_MLA backend also
+runs each token of a short prefill as a row of its own, with its request's block table row and
+its causal key count. Not here: long prefills (the backend's expanded PyTorch path), writing
+the cache (``backends/torch_mla.write_latent_rows``), the indexer. The PyTorch twin is
 ``attention.reference_mla.mla_decode_absorbed``.
 """
 

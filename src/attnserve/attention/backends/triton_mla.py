@@ -1,13 +1,17 @@
-"""TRITON_MLA: dense MLA over the paged latent cache, decoding with the Triton kernel.
+"""TRITON_MLA: dense MLA over the paged latent cache, with the Triton absorbed kernel.
 
 The same contract, cache layout and arithmetic as TORCH_MLA (``torch_mla.py``): the layer hands
 ``q`` [T, H, d_nope + R], the new latent rows ``k`` [T, L + R] and ``v`` None; new rows are
-written by ``write_latent_rows`` (model dtype or 656-byte fp8 rows). Decodes run in the
-absorbed ("MQA") form: the query becomes ``[W_UK^T q_nope ; q_pe]`` here, and
-``ops/triton_mla.mla_decode`` attends over the raw latent rows (split-KV on long contexts),
-after which ``W_UV`` maps ``u`` to per-head values. Prefills keep TORCH_MLA's expanded PyTorch
-path, one request at a time. Decode metadata is device tensors plus host bounds only (no sync
-in ``forward``). Not here: the kernels (``ops/triton_mla.py``), sparse MLA
+written by ``write_latent_rows`` (model dtype or 656-byte fp8 rows). Decodes and short prefills
+(at most ``ABSORBED_MAX_QUERY`` new tokens: a short chunk of a chunked prefill, the block
+recomputed after a prefix-cache hit, a short prompt) run in the absorbed ("MQA") form, in one
+launch: each of their query rows becomes ``[W_UK^T q_nope ; q_pe]`` here, and
+``ops/triton_mla.mla_decode`` attends it over its request's raw latent rows as a decode row
+that sees its causal key count (split-KV on long contexts), after which ``W_UV`` maps ``u`` to
+per-head values. Longer prefills keep TORCH_MLA's expanded PyTorch path, one request at a time.
+The per-row metadata is built once per step in ``build_metadata`` (device tensors plus host
+bounds: no sync in ``forward``); a decode-only batch builds only slices of the common tensors,
+so CUDA graphs capture it. Not here: the kernels (``ops/triton_mla.py``), sparse MLA
 (``triton_mla_sparse.py``).
 """
 
@@ -21,18 +25,33 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_mla import attend_expanded, read_latent, write_latent_rows
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.ops.triton_mla import mla_decode
+from attnserve.platforms import to_device
 
-__all__ = ["TritonMLABackend", "TritonMLAMetadata", "absorb_query", "apply_w_uv"]
+__all__ = [
+    "ABSORBED_MAX_QUERY",
+    "TritonMLABackend",
+    "TritonMLAMetadata",
+    "absorb_query",
+    "apply_w_uv",
+]
+
+# Prefills of at most this many new tokens run absorbed. Per key (DeepSeek-V3: H 128, L 512,
+# R 64, d_nope 128, d_v 128) the absorbed form costs each query 2*H*(L + R + L) = 278K FLOPs;
+# the expanded form first expands the key once per request, 2*L*H*(d_nope + d_v) = 33.5 MFLOP.
+# At equal speed absorbed wins up to ~120 queries; the absorbed kernel runs at ~160 TFLOP/s
+# against ~300-600 for cuBLAS/SDPA on the H200, which moves the break-even to ~32-64.
+ABSORBED_MAX_QUERY = 32
 
 
 @dataclass(slots=True)
 class TritonMLAMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 where nothing is written
-    num_decodes: int
-    decode_block_table: torch.Tensor  # [B_dec, max_blocks] int32
-    decode_seq_lens: torch.Tensor  # [B_dec] int32
-    decode_max_seq_len: int
-    prefills: list[tuple[int, int, torch.Tensor]]  # (q_start, q_end, slots [S]) per prefill
+    num_absorbed: int  # N query rows run absorbed: the decodes, then the short prefills' rows
+    absorbed_rows: torch.Tensor | None  # [N] int64 token row of each; None: rows 0..N-1
+    block_table: torch.Tensor  # [N, max_blocks] int32 each absorbed row's request's blocks
+    seq_lens: torch.Tensor  # [N] int32 keys each absorbed row sees (its position + 1)
+    max_seq_len: int  # host bound of seq_lens
+    prefills: list[tuple[int, int, torch.Tensor]]  # (q_start, q_end, slots [S]) long prefills
     num_splits: int | None = None  # fixed when a decode batch is captured in a CUDA graph
 
 
@@ -65,19 +84,43 @@ class TritonMLABackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> TritonMLAMetadata:
         bt = common.block_tables[group_id]
         nd = common.num_decodes
-        q = common.query_start_loc_cpu
-        prefills = [
-            (q[i], q[i + 1], self._slots(bt[i], common.seq_lens_cpu[i]))
-            for i in range(nd, common.num_reqs)
-        ]
-        return TritonMLAMetadata(
+        q, lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        short, long = [], []
+        for i in range(nd, common.num_reqs):
+            (short if q[i + 1] - q[i] <= ABSORBED_MAX_QUERY else long).append(i)
+        metadata = TritonMLAMetadata(
             slot_mapping=common.slot_mappings[group_id],
-            num_decodes=nd,
-            decode_block_table=bt[:nd],
-            decode_seq_lens=common.seq_lens[:nd],
-            decode_max_seq_len=max(common.seq_lens_cpu[:nd], default=0),
-            prefills=prefills,
+            num_absorbed=nd,
+            absorbed_rows=None,
+            block_table=bt[:nd],
+            seq_lens=common.seq_lens[:nd],
+            max_seq_len=max([*lens[:nd], *(lens[i] for i in short)], default=0),
+            prefills=[(q[i], q[i + 1], self._slots(bt[i], lens[i])) for i in long],
         )
+        if short:  # a decode-only batch (the graphed kind) never gets here
+            self._add_short_prefills(metadata, common, bt, short)
+        return metadata
+
+    @staticmethod
+    def _add_short_prefills(
+        md: TritonMLAMetadata, common: CommonAttentionMetadata, bt: torch.Tensor, short: list[int]
+    ) -> None:
+        """Extend the absorbed rows (the decodes) with every query row of the ``short``
+        prefills: row i of a chunk of q_len new tokens whose request holds seq_len keys after
+        this step sees seq_len - q_len + i + 1 keys."""
+        nd = common.num_decodes
+        q, lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        rows, reqs, keys = list(range(nd)), list(range(nd)), list(lens[:nd])
+        for i in short:
+            q_len = q[i + 1] - q[i]
+            rows += range(q[i], q[i + 1])
+            reqs += [i] * q_len
+            keys += range(lens[i] - q_len + 1, lens[i] + 1)
+        index = to_device(torch.tensor([rows, reqs, keys], dtype=torch.int64), bt.device)  # [3, N]
+        md.num_absorbed = len(rows)
+        md.absorbed_rows = None if rows[-1] == len(rows) - 1 else index[0]  # rows ascend
+        md.block_table = bt.index_select(0, index[1])
+        md.seq_lens = index[2].to(torch.int32)
 
     def forward(self, layer, q, k, v, kv_cache, metadata: TritonMLAMetadata) -> torch.Tensor:
         """Write the new latent rows ``k`` and attend; returns [T, H, d_v] in q's dtype."""
@@ -86,19 +129,23 @@ class TritonMLABackend(AttentionBackend):
         write_latent_rows(cache, k, metadata.slot_mapping, rank)
         w_kv_b = layer.w_kv_b.to(q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1], w_kv_b.shape[1] - d_nope)
-        nd = metadata.num_decodes
-        if nd:
+        n, rows = metadata.num_absorbed, metadata.absorbed_rows
+        if n:
+            q_rows = q[:n] if rows is None else q.index_select(0, rows)  # [N, H, d_nope + R]
             u = mla_decode(
-                absorb_query(q[:nd], w_kv_b, d_nope),
+                absorb_query(q_rows, w_kv_b, d_nope),
                 cache,
-                metadata.decode_block_table,
-                metadata.decode_seq_lens,
+                metadata.block_table,
+                metadata.seq_lens,
                 kv_lora_rank=rank,
                 scale=layer.scale,
-                max_seq_len=metadata.decode_max_seq_len,
+                max_seq_len=metadata.max_seq_len,
                 num_splits=metadata.num_splits,
-            )  # [B_dec, H, L]
-            out[:nd] = apply_w_uv(u, w_kv_b, d_nope)
+            )  # [N, H, L]
+            if rows is None:
+                out[:n] = apply_w_uv(u, w_kv_b, d_nope)
+            else:
+                out.index_copy_(0, rows, apply_w_uv(u, w_kv_b, d_nope))
         for start, end, slots in metadata.prefills:
             latent = read_latent(cache, slots, rank, rope, q.dtype)[None]  # [1, S, L + R]
             o = attend_expanded(q[None, start:end], latent, None, w_kv_b, layer.scale)
