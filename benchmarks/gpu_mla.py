@@ -5,8 +5,11 @@
    splits, 16 and 128 heads), sparse MLA over decode and prefill rows (-1 slots, a row of all
    -1), indexer logits (exact bf16, fp8 rows) and its top-k against ``indexer_topk`` (recall).
 2. Dense absorbed decode (576-wide bf16 rows, page 64), 16 and 128 heads x batch 1..128 x
-   context 4K..64K: GB/s and % of 4.25 TB/s (latent rows, q, u), TFLOP/s (2 B H S 1088); peer:
-   TORCH_MLA's absorbed form, SDPA over latent rows already gathered contiguous.
+   context 4K..64K: GB/s (latent rows, q, u), TFLOP/s (2 B H S 1088); peer: TORCH_MLA's
+   absorbed form, SDPA over latent rows already gathered contiguous. Every timed row is also
+   given as % of the ceilings measured at the start of the run (``ceilings.py``: device copy
+   bandwidth, bf16 ``torch.mm`` rate; ``pct_bw_measured``, ``pct_flops_measured``) and of the
+   nominal 4.25 TB/s and 790 TFLOP/s (``pct_bw``, ``pct_flops``).
 3. Sparse MLA (top-k 2048, 128 heads): decode of 32 rows at 8K..128K (bf16 and fp8 rows)
    against dense decode of the same cache; prefill of 4096 rows (TFLOP/s).
 4. Indexer (64 heads x 128), batch 1 and 32 at 8K..128K, fp8 and bf16 keys: the logits kernel
@@ -15,7 +18,8 @@
 
 Timing: ``benchmarks/gpu_attention.py``'s ``time_per_call`` (one CUDA graph over rotated input
 sets, ``do_bench`` median). Shapes are skipped when they do not fit or the budget (270 s) has
-run out. ``--smoke`` runs every path at toy sizes on CPU under Triton's interpreter.
+run out. ``--smoke`` runs every path at toy sizes on CPU under Triton's interpreter. The
+printed tables are ``gpu_mla_report.py``'s.
 
     python benchmarks/gpu_mla.py [--budget-s 270] [--no-peers] [--no-sweep] [--smoke]
 
@@ -39,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from ceilings import describe, fractions, measure_ceilings  # noqa: E402
+from gpu_mla_report import print_tables  # noqa: E402
 
 from attnserve.attention.backends.torch_mla_sparse import index_scores  # noqa: E402
 from attnserve.attention.reference_mla import (  # noqa: E402
@@ -66,7 +72,6 @@ from attnserve.ops.triton_mla_sparse import (  # noqa: E402
     topk_from_logits,
 )
 
-PEAK_BW = 4.25e12  # bytes/s, device copy on the lent H200 (read + write)
 NOPE, SCALE, REL_TOL = 128, 0.1352338, 2e-2
 
 
@@ -293,7 +298,7 @@ def rates(row: dict, seconds: float, moved: float, flops: float, graph: bool) ->
     if DEV == "cuda":
         torch.cuda.empty_cache()
     return {**row, "us": seconds * 1e6, "graph": graph, "gbps": moved / seconds / 1e9,
-            "pct_bw": 100 * moved / seconds / PEAK_BW, "tflops": flops / seconds / 1e12}  # fmt: skip
+            "tflops": flops / seconds / 1e12}  # fmt: skip
 
 
 def latent_bytes(fp8: bool) -> int:
@@ -463,54 +468,6 @@ def sweep(deadline: float) -> list[dict]:
     return out
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def fmt(x, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-# fmt: off
-def print_tables(checks: list[dict], rows: list[dict], swept: list[dict]) -> None:
-    print(f"\nchecks (max|out-ref|/max|ref|; top-k: 1 - recall), bound {REL_TOL:.0e}:")
-    print("  " + "  ".join(f"{c['case']}={c['rel_err']:.1e}{'' if c['ok'] else ' FAIL'}" for c in checks))
-    print(f"\ndense MLA decode (bf16 latent rows, page {S.page}); peer/o = SDPA time / ours")
-    print(f"{'H':>4} {'B':>4} {'ctx':>6} {'us':>9} {'GB/s':>6} {'%BW':>5} {'TFLOP/s':>7} {'peer us':>9} {'peer/o':>6}")
-    for r in (r for r in rows if r["kind"] == "dense"):
-        if "skipped" in r:
-            print(f"{r['heads']:>4} {r['batch']:>4} {r['ctx']:>6}  skipped: {r['skipped']}")
-            continue
-        peer = r["peer_us"] / r["us"] if r.get("peer_us") else None
-        print(f"{r['heads']:>4} {r['batch']:>4} {r['ctx']:>6} {r['us']:>9.1f} {r['gbps']:>6.0f} {r['pct_bw']:>5.1f} "
-              f"{r['tflops']:>7.1f} {fmt(r.get('peer_us')):>9} {fmt(peer, '.2f'):>6}")
-    print(f"\nsparse MLA decode (batch {S.sparse_batch}, {S.many_heads} heads, top-k {S.topk}) vs dense decode, same cache")
-    print(f"{'ctx':>7} {'cache':>5} {'sparse us':>9} {'TFLOP/s':>7} {'dense us':>9} {'dense/sparse':>12}")
-    for r in (r for r in rows if r["kind"] == "sparse_decode"):
-        if "skipped" in r:
-            print(f"{r['ctx']:>7}  skipped: {r['skipped']}")
-            continue
-        gain = r["dense_us"] / r["us"] if r.get("dense_us") else None
-        print(f"{r['ctx']:>7} {'fp8' if r['fp8'] else 'bf16':>5} {r['us']:>9.1f} {r['tflops']:>7.1f} "
-              f"{fmt(r.get('dense_us')):>9} {fmt(gain, '.2f'):>12}")
-    print(f"\nlightning indexer decode ({S.idx_heads} heads x {S.idx_dim}): logits kernel, then torch.topk")
-    print(f"{'B':>4} {'ctx':>7} {'keys':>5} {'logits us':>9} {'GB/s':>6} {'%BW':>5} {'topk us':>8} {'topk share':>10}")
-    for r in (r for r in rows if r["kind"] == "indexer"):
-        if "skipped" in r:
-            print(f"{r['batch']:>4} {r['ctx']:>7}  skipped: {r['skipped']}")
-            continue
-        print(f"{r['batch']:>4} {r['ctx']:>7} {'fp8' if r['fp8'] else 'bf16':>5} {r['us']:>9.1f} {r['gbps']:>6.0f} "
-              f"{r['pct_bw']:>5.1f} {r['topk_us']:>8.1f} {100 * r['topk_share']:>9.0f}%")
-    for r in (r for r in rows if r["kind"] in ("sparse_prefill", "indexer_prefill")):
-        print(f"{r['kind']}: {r.get('rows')} rows over {r.get('ctx')} keys: {fmt(r.get('us'))} us, "
-              f"{fmt(r.get('tflops'))} TFLOP/s")
-    for shape in dict.fromkeys(s["shape"] for s in swept):
-        done = [s for s in swept if s["shape"] == shape and s.get("us")]
-        if done:
-            best = min(done, key=lambda s: s["us"])
-            print(f"sweep {shape}: best {best['config']} {best['us']:.1f} us ({len(done)} configs ran)")
-# fmt: on
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -519,8 +476,9 @@ def time_sparse_vs_dense(batch: int, heads: int, ctx: int, fp8: bool) -> dict:
     return {**row, "dense_us": time_latent("dense", batch, heads, ctx, fp8).get("us")}
 
 
-def bench_all(args, deadline: float) -> list[dict]:
-    """Every timed shape, in order, until the time budget runs out."""
+def bench_all(args, deadline: float, ceilings: dict) -> list[dict]:
+    """Every timed shape, in order, until the time budget runs out; rates as fractions of the
+    measured and the nominal ceilings."""
     jobs = [
         ("dense", time_latent, ("dense", b, h, c, False), dict(heads=h, batch=b, ctx=c))
         for h in (S.few_heads, S.many_heads)
@@ -546,6 +504,8 @@ def bench_all(args, deadline: float) -> list[dict]:
         row = {"kind": kind, **shape, "skipped": "time budget"}
         if time.perf_counter() <= deadline:
             row = fn(*fn_args)
+            if "us" in row:
+                row.update(fractions(ceilings, bw=row["gbps"] * 1e9, flops=row["tflops"] * 1e12))
             if kind == "dense" and not args.no_peers and "us" in row:
                 row.update(time_dense_peer(row["batch"], row["heads"], row["ctx"]))
         print(json.dumps(row), flush=True)
@@ -572,20 +532,23 @@ def main() -> int:
     checks = run_checks()
     for c in checks:
         print(f"check {c['case']:>22}: {c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}")  # fmt: skip
-    rows = bench_all(args, deadline)
+    ceilings = measure_ceilings(DEV)
+    print(describe(ceilings), flush=True)
+    rows = bench_all(args, deadline, ceilings)
     swept = [] if args.no_sweep else sweep(deadline)
     import triton
 
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
     result = dict(device=device, torch=torch.__version__, triton=triton.__version__,
-                  sizes=asdict(S), peak_bw=PEAK_BW, checks=checks, rows=rows, sweep=swept,
+                  sizes=asdict(S), peak_bw=ceilings["nominal_bw"], ceilings=ceilings, checks=checks,
+                  rows=rows, sweep=swept,
                   wall_s=time.perf_counter() - start)  # fmt: skip
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "gpu_mla.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {path}")
-    print_tables(checks, rows, swept)
+    print_tables(checks, rows, swept, S, ceilings, REL_TOL)
     return 0 if all(c["ok"] for c in checks) else 1
 
 

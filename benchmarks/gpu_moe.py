@@ -5,8 +5,9 @@
 2. Decode: times one MoE layer's experts, Mixtral-8x7B shape (8 experts, hidden 4096,
    intermediate 14336, top-2) and DeepSeek-V3 shape (256 experts, 7168, 2048, top-8), at 1 to 256
    tokens: microseconds, the bytes of the experts the batch touches over that time as % of
-   4.25 TB/s, and the time ratio against the PyTorch loop (which syncs with the host, so it is
-   timed eagerly; ours inside a CUDA graph, as the engine runs it).
+   the copy bandwidth measured in the run (``pct_bw_measured``) and of the nominal 4.25 TB/s
+   (``pct_bw``), and the time ratio against the PyTorch loop (which syncs with the host, so it
+   is timed eagerly; ours inside a CUDA graph, as the engine runs it).
 3. Prefill: one layer's experts at 2,048, 8,192 and 16,384 tokens (uniform random routing),
    Qwen3-30B-A3B shape (128 experts top-8, hidden 2048, intermediate 768), Mixtral (8 top-2,
    4096 / 14336) and Qwen3-Next (512 top-10, 2048 / 512): each size first checked against the
@@ -14,8 +15,8 @@
    FLOPs for P = T k pairs) and % of 790 TFLOP/s, for the kernels with the config they select
    (``moe_config``; its block_m is printed) and for the loop. DeepSeek-V3's shape (256 top-8,
    7168 / 2048) is the one issue #19 asks at 8K tokens for 50% of the bf16 matmul ceiling, which
-   the run measures first (cuBLAS ``torch.mm``, 8192^3 bf16) and every prefill row is also given
-   against (``pct_ceiling``).
+   the run measures first (``ceilings.measure_ceilings``: cuBLAS ``torch.mm``, 8192^3 bf16, with
+   the copy bandwidth) and every prefill row is also given against (``pct_ceiling``).
 4. ``--sweep``: the prefill sizes again, each candidate of ``SWEEP`` forced (``config=``),
    checked and timed; prints the best per size, to retune ``ops/triton_moe.CONFIGS``.
 
@@ -42,13 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from ceilings import NOMINAL_BW, NOMINAL_FLOPS, describe, measure_ceilings  # noqa: E402
 
 from attnserve.layers.fused import override_impl  # noqa: E402
 from attnserve.layers.moe import FusedExperts  # noqa: E402
 from attnserve.ops.triton_moe import MoEConfig, fused_experts, moe_config  # noqa: E402
 
-BANDWIDTH = 4.25e12
-PEAK_FLOPS = 790e12  # bf16 dense on the H200, as the project quotes it
 SHAPES = {"mixtral": (8, 4096, 14336, 2), "deepseek_v3": (256, 7168, 2048, 8)}
 TOKENS = [1, 16, 64, 256]
 PREFILL_SHAPES = {"qwen3_30b_a3b": (128, 2048, 768, 8), "mixtral": (8, 4096, 14336, 2),
@@ -117,7 +117,7 @@ def check(device, dtype, sizes) -> list[dict]:
     return rows
 
 
-def bench(name: str) -> list[dict]:
+def bench(name: str, ceilings: dict) -> list[dict]:
     from gpu_attention import time_per_call
     from triton.testing import do_bench
 
@@ -133,20 +133,22 @@ def bench(name: str) -> list[dict]:
                         return_mode="median") * 1e-3
         touched = ids.unique().numel() * 3 * h * i * 2
         rows.append({"shape": name, "tokens": t, "experts_touched": ids.unique().numel(), "us": ours * 1e6,
-                     "pct_bw": 100 * touched / ours / BANDWIDTH, "loop_us": loop * 1e6, "loop_over_ours": loop / ours,
+                     "pct_bw": 100 * touched / ours / NOMINAL_BW,
+                     "pct_bw_measured": 100 * touched / ours / ceilings["copy_bw"], "loop_us": loop * 1e6, "loop_over_ours": loop / ours,
                      "graphed": graphed})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def prefill(shapes: dict, tokens: list[int], device, dtype, sweep: bool, timed: bool) -> tuple[list[dict], list[dict]]:
-    """Per shape and token count: check the kernels against the loop, then (``timed``) time both;
-    with ``sweep`` every ``SWEEP`` config too. Returns (rows, sweep rows)."""
+def prefill(shapes: dict, tokens: list[int], device, dtype, sweep: bool, ceilings: dict | None
+            ) -> tuple[list[dict], list[dict]]:
+    """Per shape and token count: check the kernels against the loop, then (given the run's
+    ``ceilings``) time both; with ``sweep`` every ``SWEEP`` config too. Returns (rows, sweep rows)."""
+    timed = ceilings is not None
     if timed:
         from triton.testing import do_bench
 
-        ceiling = matmul_ceiling(device)
-        print(json.dumps({"matmul_ceiling_tflops": ceiling / 1e12}), flush=True)
+        ceiling = ceilings["matmul_flops"]
     rows, sweep_rows = [], []
     for name, (e, h, i, k) in shapes.items():
         ex = experts(e, h, i, dtype, device)
@@ -165,10 +167,10 @@ def prefill(shapes: dict, tokens: list[int], device, dtype, sweep: bool, timed: 
                 with override_impl("triton"):
                     ours = do_bench(lambda ex=ex, x=x, w=w, ids=ids: ex(x, w, ids), return_mode="median") * 1e-3
                 loop = do_bench(lambda ex=ex, x=x, w=w, ids=ids: ex._forward_torch(x, w, ids), return_mode="median") * 1e-3
-                row |= {"ms": ours * 1e3, "tflops": flops / ours / 1e12, "pct_peak": 100 * flops / ours / PEAK_FLOPS,
+                row |= {"ms": ours * 1e3, "tflops": flops / ours / 1e12, "pct_peak": 100 * flops / ours / NOMINAL_FLOPS,
                         "ceiling_tflops": ceiling / 1e12, "pct_ceiling": 100 * flops / ours / ceiling,
                         "loop_ms": loop * 1e3, "loop_tflops": flops / loop / 1e12,
-                        "loop_pct_peak": 100 * flops / loop / PEAK_FLOPS, "loop_over_ours": loop / ours}
+                        "loop_pct_peak": 100 * flops / loop / NOMINAL_FLOPS, "loop_over_ours": loop / ours}
             rows.append(row)
             print(json.dumps(row), flush=True)
             if sweep and timed:
@@ -177,17 +179,6 @@ def prefill(shapes: dict, tokens: list[int], device, dtype, sweep: bool, timed: 
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows, sweep_rows
-
-
-def matmul_ceiling(device) -> float:
-    """FLOP/s of a large bf16 cuBLAS GEMM (8192^3) on this device: the measured ceiling."""
-    from triton.testing import do_bench
-
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = do_bench(lambda: torch.mm(a, b), return_mode="median")
-    return 2 * n**3 / (ms * 1e-3)
 
 
 def sweep_size(ex: FusedExperts, x, w, ids, name: str, flops: int, do_bench) -> list[dict]:
@@ -205,7 +196,7 @@ def sweep_size(ex: FusedExperts, x, w, ids, name: str, flops: int, do_bench) -> 
             print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
         rows.append({"shape": name, "tokens": x.shape[0], "config": asdict(cfg), "ms": ms, "agree": err,
-                     "pct_peak": 100 * flops / (ms * 1e-3) / PEAK_FLOPS})
+                     "pct_peak": 100 * flops / (ms * 1e-3) / NOMINAL_FLOPS})
         print(json.dumps(rows[-1]), flush=True)
     best = min(rows, key=lambda r: r["ms"]) if rows else None
     if best:
@@ -217,9 +208,10 @@ def sweep_size(ex: FusedExperts, x, w, ids, name: str, flops: int, do_bench) -> 
 def print_tables(checks: list[dict], rows: list[dict], pre: list[dict], sweep: list[dict]) -> None:
     print("\nchecks:", "  ".join(f"{c['check']}={c['rel_err']:.1e}" for c in checks))
     if rows:
-        print(f"\n{'shape':<12}{'T':>5}{'experts':>9}{'us':>10}{'%BW':>7}{'loop us':>10}{'loop/ours':>10}")
+        print(f"\n{'shape':<12}{'T':>5}{'experts':>9}{'us':>10}{'%cp':>7}{'%BW':>7}{'loop us':>10}{'loop/ours':>10}")
         for r in rows:
-            print(f"{r['shape']:<12}{r['tokens']:>5}{r['experts_touched']:>9}{r['us']:>10.1f}{r['pct_bw']:>7.1f}"
+            print(f"{r['shape']:<12}{r['tokens']:>5}{r['experts_touched']:>9}{r['us']:>10.1f}{r['pct_bw_measured']:>7.1f}"
+                  f"{r['pct_bw']:>7.1f}"
                   f"{r['loop_us']:>10.1f}{r['loop_over_ours']:>10.2f}")
     if pre:
         timed = "ms" in pre[0]
@@ -250,17 +242,20 @@ def main() -> None:
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     decode = not args.no_decode
     checks = check(device, dtype, (6, 64, 96, 2) if args.smoke else (8, 1024, 2048, 2)) if decode else []
-    rows = [r for name in SHAPES for r in bench(name)] if decode and not args.smoke else []
+    ceilings = None if args.smoke else measure_ceilings(device)  # the smoke run times nothing
+    if ceilings:
+        print(describe(ceilings), flush=True)
+    rows = [r for name in SHAPES for r in bench(name, ceilings)] if decode and not args.smoke else []
     if args.smoke:
         shapes, tokens = SMOKE_PREFILL
     else:
         shapes = {n: PREFILL_SHAPES[n] for n in (args.only or PREFILL_SHAPES)}
         tokens = args.tokens or PREFILL_TOKENS
-    pre, sweep = prefill(shapes, tokens, device, dtype, args.sweep, timed=not args.smoke)
+    pre, sweep = prefill(shapes, tokens, device, dtype, args.sweep, ceilings)
     out = os.environ.get("OUT")
     if out:
-        Path(out, "gpu_moe.json").write_text(json.dumps({"checks": checks, "rows": rows, "prefill": pre,
-                                                         "sweep": sweep}, indent=1))
+        Path(out, "gpu_moe.json").write_text(json.dumps({"ceilings": ceilings, "checks": checks, "rows": rows,
+                                                         "prefill": pre, "sweep": sweep}, indent=1))
     print_tables(checks, rows, pre, sweep)
     bad = [c for c in checks + pre if not c["ok"]] + [r for r in sweep if not r["agree"] <= 2e-2]
     if bad:
