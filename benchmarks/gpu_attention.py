@@ -2,19 +2,30 @@
 
 1. Checks ``unified_attention`` and ``write_kv_cache`` against ``attention.reference`` on
    random bf16 inputs (decode with split-KV, mixed and chunked batches, each feature, fp8
-   cache, head sizes 64/128/256): ``max|out - ref| / max|ref| <= 2e-2``.
-2. Decode, batch 1/16/64/256 x context 1K/4K/16K/64K (32 query / 8 KV heads, head 128, bf16,
-   block 16): bytes moved (K and V read once, q and out), GB/s, % of 4.25 TB/s, and the time
-   of SDPA (FlashAttention backend, contiguous K/V [B, H, S, D], GQA) and of compiled
-   FlexAttention (its decoding path) on the same shapes, as peer / ours.
-3. Causal prefill of one sequence of 1K..32K tokens, head 128: TFLOP/s and the same peers.
+   cache, head sizes 64/128/256): ``max|out - ref| / max|ref| <= 2e-2``; and that the peers
+   compute the same thing (SDPA GQA against our decode, SDPA MHA on expanded K/V against our
+   causal prefill).
+2. The ceilings, measured in this run (``ceilings.py``): device copy bandwidth and the bf16
+   ``torch.mm`` rate. Decode rows are given as fractions of the copy bandwidth, prefill rows of
+   the matmul rate, each measured (``pct_*_measured``) and nominal (4.25 TB/s, 790 TFLOP/s:
+   ``pct_bw``, ``pct_flops``).
+3. Decode, batch 1/16/64/256 x context 1K/4K/16K/64K (32 query / 8 KV heads, head 128, bf16,
+   block 16): bytes moved (K and V read once, q and out), GB/s, % of copy bandwidth, and the
+   time of SDPA (FlashAttention backend, contiguous K/V [B, H, S, D], GQA as is) and of
+   compiled FlexAttention (its decoding path) on the same shapes, as peer / ours.
+4. Causal prefill of one sequence of 1K..32K tokens, head 128: TFLOP/s, % of the matmul rate,
+   and the peers: SDPA GQA as above; SDPA MHA (K/V expanded to the 32 query heads before the
+   timed call) under the cuDNN backend and, separately, the FlashAttention one; FlexAttention.
+   A peer whose backend is unavailable or refuses the shape is reported missing (None).
 
 Timing: each call is captured once per input set into one CUDA graph (sets rotate, so L2
 holds no set between its calls), ``triton.testing.do_bench`` takes the median over replays
 after its warm-up, and the time per call is that median / number of sets. Shapes that would
 not fit in memory are skipped, and so is whatever is left when the time budget runs out.
+``--smoke`` runs every path at toy sizes on CPU under Triton's interpreter (float32, eager
+FlexAttention, one plain pass per timing; the cuDNN peer is missing there).
 
-    python benchmarks/gpu_attention.py [--budget-s 330] [--no-peers]
+    python benchmarks/gpu_attention.py [--budget-s 330] [--no-peers] [--smoke]
 
 Prints a compact table last; writes ``$OUT/gpu_attention.json`` when ``OUT`` is set.
 Not a test: correctness on CPU is ``tests/kernels/test_triton_attention.py``.
@@ -30,22 +41,34 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from triton.testing import do_bench
+SMOKE = __name__ == "__main__" and "--smoke" in sys.argv  # not when imported by another script
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv
-from attnserve.ops.triton_kv_write import write_kv_cache
-from attnserve.ops.triton_paged_attention import pick_num_splits, unified_attention
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from ceilings import describe, fractions, measure_ceilings  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
 
-PEAK_BW = 4.25e12  # bytes/s, device copy on the lent H200 (read + write)
-HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16
-DECODE_BATCHES, DECODE_CTX = (1, 16, 64, 256), (1024, 4096, 16384, 65536)
-PREFILL_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
+from attnserve.ops.triton_kv_write import write_kv_cache  # noqa: E402
+from attnserve.ops.triton_paged_attention import pick_num_splits, unified_attention  # noqa: E402
+
+HEADS, KV_HEADS, HEAD, PAGE = (4, 2, 32, 16) if SMOKE else (32, 8, 128, 16)
+DTYPE = torch.float32 if SMOKE else torch.bfloat16  # the interpreter cannot do bf16 arithmetic
+DECODE_BATCHES, DECODE_CTX = (
+    ((1, 3), (96,)) if SMOKE else ((1, 16, 64, 256), (1024, 4096, 16384, 65536))
+)
+PREFILL_TOKENS = (64,) if SMOKE else (1024, 2048, 4096, 8192, 16384, 32768)
+CHECK_LENS = (128, 100, 37) if SMOKE else (4096, 1000, 517)  # requests of the checks
+DECODE_PEERS = ("sdpa", "flex")
+PREFILL_PEERS = ("sdpa", "sdpa_cudnn_mha", "sdpa_flash_mha", "flex")
 REL_TOL = 2e-2
 L2_BUST_BYTES, MAX_SETS = 256 << 20, 32
-DEV = "cuda"
+DEV = "cpu" if SMOKE else "cuda"
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -58,11 +81,11 @@ def paged_batch(
     head=HEAD,
     heads=HEADS,
     kv_heads=KV_HEADS,
-    cache_dtype=torch.bfloat16,
+    cache_dtype=DTYPE,
     nan_fill=False,
     scales=(1.0, 1.0),
 ):
-    """Random bf16 q and a paged cache whose blocks are a random permutation (block 0 null)."""
+    """Random q and a paged cache (``DTYPE``) whose blocks are a random permutation (0 null)."""
     nbs = [-(-s // PAGE) for s in seq_lens]
     num_blocks = sum(nbs) + 1
     perm = torch.randperm(num_blocks - 1, device=DEV, dtype=torch.int32) + 1
@@ -73,9 +96,9 @@ def paged_batch(
         for i, (start, n) in enumerate(zip(itertools.accumulate([0, *nbs]), nbs)):
             table[i, :n] = perm[start : start + n]
     shape = (num_blocks, PAGE, kv_heads, head)
-    if cache_dtype == torch.bfloat16 and not nan_fill:
-        k_cache = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
-        v_cache = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    if cache_dtype == DTYPE and not nan_fill:
+        k_cache = torch.randn(shape, device=DEV, dtype=DTYPE)
+        v_cache = torch.randn(shape, device=DEV, dtype=DTYPE)
     else:  # quantised through the kernel's own twin, unused slots NaN
         k_cache = torch.full(shape, float("nan"), device=DEV).to(cache_dtype)
         v_cache = torch.full(shape, float("nan"), device=DEV).to(cache_dtype)
@@ -85,7 +108,7 @@ def paged_batch(
             kv = torch.randn(2, s, kv_heads, head, device=DEV)
             write_kv(k_cache, v_cache, kv[0], kv[1], slots, *scales)
     qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEV)
-    q = torch.randn(int(sum(q_lens)), heads, head, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(int(sum(q_lens)), heads, head, device=DEV, dtype=DTYPE)
     return dict(
         q=q,
         key_cache=k_cache,
@@ -123,9 +146,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check_attention() -> list[dict]:
     """Kernel vs reference on bf16 batches; returns one row per case."""
     g = torch.Generator(device=DEV).manual_seed(0)
-    mixed = ([1, 1, 1, 37, 200], [1000, 17, 4096, 300, 200])
+    long, mid, short = CHECK_LENS
+    mixed = ([1, 1, 1, 37, 200], [mid, 17, long, 300, 200])
     cases = [
-        ("decode_split", ([1] * 4, [1000, 1, 517, 4096]), {}, {}),
+        ("decode_split", ([1] * 4, [mid, 1, short, long]), {}, {}),
         ("mixed", mixed, {}, {}),
         ("window", mixed, {"window": 100}, {}),
         ("alibi", mixed, {"alibi": alibi_slopes(HEADS).to(DEV)}, {}),
@@ -158,17 +182,19 @@ def check_attention() -> list[dict]:
         err = rel_err(out, ref) if not out.isnan().any() else float("nan")
         rows.append({"case": name, "rel_err": err, "ok": err <= REL_TOL})
     rows.append(check_write())
-    rows.append(check_sdpa_agrees())
+    rows += check_sdpa_agrees()
     return rows
 
 
 def check_write() -> dict:
     """KV write kernel vs its twin: bf16 exactly; fp8 allowing rare rounding-tie differences."""
-    kv = torch.randn(2, 40, KV_HEADS, HEAD, device=DEV, dtype=torch.bfloat16)
+    kv = torch.randn(2, 40, KV_HEADS, HEAD, device=DEV, dtype=DTYPE)
     slots = torch.randperm(64 * PAGE, device=DEV)[:40]
     slots[::7] = -1
     worst = 1.0
-    for cache_dtype, scale in ((torch.bfloat16, 1.0), (torch.float8_e4m3fn, 0.5)):
+    for cache_dtype, scale in ((DTYPE, 1.0), (torch.float8_e4m3fn, 0.5)):
+        if SMOKE and cache_dtype != DTYPE:  # values exact in fp8: the interpreter rounds off
+            kv = (kv.to(cache_dtype).float() * scale).to(DTYPE)
         got = [
             torch.zeros(64, PAGE, KV_HEADS, HEAD, device=DEV, dtype=cache_dtype) for _ in range(2)
         ]
@@ -181,14 +207,24 @@ def check_write() -> dict:
     return {"case": "write_kv", "rel_err": 1.0 - worst, "ok": worst > 0.999}
 
 
-def check_sdpa_agrees() -> dict:
-    """The peer computes the same thing: SDPA on the gathered K/V equals our decode."""
-    b = paged_batch([1, 1], [4096, 4096])
-    ours = run_ours(b, torch.empty_like(b["q"]))
-    q, k, v = contiguous_kv(b, 2, 4096)
-    peer = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
-    err = rel_err(ours, peer.transpose(1, 2).reshape_as(ours))
-    return {"case": "sdpa_vs_ours", "rel_err": err, "ok": err <= REL_TOL}
+def check_sdpa_agrees() -> list[dict]:
+    """The peers compute the same thing: SDPA on the gathered K/V (GQA) equals our decode, and
+    SDPA on K/V expanded to the query heads (the MHA form) our causal prefill."""
+    rows = []
+    long = CHECK_LENS[0]
+    for case, batch, n in (("sdpa_vs_ours", 2, long), ("sdpa_mha_vs_ours", 1, long // 8)):
+        decode = case == "sdpa_vs_ours"
+        b = paged_batch([1 if decode else n] * batch, [n] * batch)
+        ours = run_ours(b, torch.empty_like(b["q"]))
+        q, k, v = contiguous_kv(b, batch, n)
+        q = q.transpose(1, 2)  # [B, H, n, D]
+        if decode:
+            peer = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        else:
+            peer = F.scaled_dot_product_attention(*mha_form((q, k, v)), is_causal=True)
+        err = rel_err(ours, peer.transpose(1, 2).reshape_as(ours))
+        rows.append({"case": case, "rel_err": err, "ok": err <= REL_TOL})
+    return rows
 
 
 def contiguous_kv(b: dict, batch: int, seq: int):
@@ -200,11 +236,25 @@ def contiguous_kv(b: dict, batch: int, seq: int):
     return q, k.contiguous(), v.contiguous()
 
 
+def mha_form(qkv: tuple) -> tuple:
+    """q [B, H, S, D] and K/V [B, Hkv, S, D] -> K/V repeated to [B, H, S, D]: query head h reads
+    KV head h // (H / Hkv), as under GQA."""
+    q, k, v = qkv
+    group = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 # ----------------------------------------------------------------------------- timing
 
 
 def time_per_call(calls: list[Callable[[], object]], rep_ms: int = 100) -> tuple[float, bool]:
-    """Median seconds per call over a CUDA graph of all calls (eager rotation if capture fails)."""
+    """Median seconds per call over a CUDA graph of all calls (eager rotation if capture fails);
+    in smoke runs (CPU), one plain pass."""
+    if DEV != "cuda":
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) / len(calls), False
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -225,6 +275,8 @@ def time_per_call(calls: list[Callable[[], object]], rep_ms: int = 100) -> tuple
 
 def num_sets(set_bytes: int, cap: int = MAX_SETS) -> int:
     """Input sets to rotate: enough to overflow L2, at most a quarter of free memory (0: skip)."""
+    if DEV != "cuda":
+        return 1
     free = torch.cuda.mem_get_info()[0]
     if set_bytes > 0.8 * free:
         return 0
@@ -232,17 +284,22 @@ def num_sets(set_bytes: int, cap: int = MAX_SETS) -> int:
     return min(cap, math.ceil(L2_BUST_BYTES / set_bytes), by_memory)
 
 
-def peer_fns():
+def peer_fns() -> tuple[dict, Callable]:
+    """The peers by name, each ``(fn(q, k, v, causal, mask), mha)`` on contiguous [B, H, S, D]
+    inputs (``mha``: K/V expanded to the query heads first), and Flex's causal mask maker."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    flex = torch.compile(flex_attention)
+    flex = flex_attention if SMOKE else torch.compile(flex_attention)  # no compiler in smoke
 
-    def sdpa(q, k, v, causal):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    def sdpa(backend, gqa: bool):
+        def call(q, k, v, causal, mask):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
-    def flex_call(q, k, v, block_mask):
+        return call
+
+    def flex_call(q, k, v, causal, block_mask):
         return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     def causal_mask(n):
@@ -250,34 +307,43 @@ def peer_fns():
             return q_idx >= kv_idx
 
         try:  # compiled mask building avoids an n x n intermediate
-            return create_block_mask(causal, None, None, n, n, device=DEV, _compile=True)
+            return create_block_mask(causal, None, None, n, n, device=DEV, _compile=not SMOKE)
         except TypeError:
             return create_block_mask(causal, None, None, n, n, device=DEV)
 
-    return sdpa, flex_call, causal_mask
+    fns = {
+        "sdpa": (sdpa(SDPBackend.FLASH_ATTENTION, True), False),
+        "sdpa_cudnn_mha": (sdpa(SDPBackend.CUDNN_ATTENTION, False), True),
+        "sdpa_flash_mha": (sdpa(SDPBackend.FLASH_ATTENTION, False), True),
+        "flex": (flex_call, False),
+    }
+    return fns, causal_mask
 
 
 def bench_peers(make_inputs, sets, causal, peers, rep_ms) -> dict:
-    """SDPA and Flex times on contiguous [B, H, S, D] inputs; K/V freed afterwards."""
-    sdpa, flex_call, causal_mask = peers
+    """Each peer's time on contiguous [B, H, S, D] inputs (prefill: ``PREFILL_PEERS``, decode:
+    ``DECODE_PEERS``); the MHA forms' K/V are expanded before timing. A peer that fails (its
+    backend unavailable, the shape refused) is None with its error. Inputs freed afterwards."""
+    fns, causal_mask = peers
     inputs = [make_inputs() for _ in range(sets)]
     mask = causal_mask(inputs[0][0].shape[2]) if causal else None
+    expanded = [mha_form(x) for x in inputs] if causal else None  # outside the timed calls
     res = {}
-    for name, fn in (("sdpa", lambda x: sdpa(*x, causal)), ("flex", lambda x: flex_call(*x, mask))):
+    for name in PREFILL_PEERS if causal else DECODE_PEERS:
+        fn, mha = fns[name]
+        calls = [lambda x=x, fn=fn: fn(*x, causal, mask) for x in (expanded if mha else inputs)]
         try:
-            res[name], res[f"{name}_graph"] = time_per_call(
-                [lambda x=x, fn=fn: fn(x) for x in inputs], rep_ms
-            )
+            res[name], res[f"{name}_graph"] = time_per_call(calls, rep_ms)
         except Exception as exc:  # report it and go on
             res[name], res[f"{name}_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
-    del inputs
+    del inputs, expanded, calls
     torch.cuda.empty_cache()
     return res
 
 
-def bench_decode(batch: int, ctx: int, peers) -> dict | None:
-    kv_bytes = batch * ctx * KV_HEADS * HEAD * 2 * 2
-    moved = kv_bytes + 2 * batch * HEADS * HEAD * 2  # + q and out
+def bench_decode(batch: int, ctx: int, peers, ceilings: dict) -> dict | None:
+    size = DTYPE.itemsize
+    moved = 2 * batch * ctx * KV_HEADS * HEAD * size + 2 * batch * HEADS * HEAD * size  # + q, out
     sets = num_sets(moved)
     row = {
         "kind": "decode",
@@ -296,23 +362,23 @@ def bench_decode(batch: int, ctx: int, peers) -> dict | None:
     calls = [lambda b=b, o=o: run_ours(b, o) for b, o in zip(data, outs)]
     row["ours"], row["ours_graph"] = time_per_call(calls)
     row["gbps"] = moved / row["ours"] / 1e9
-    row["pct_bw"] = 100 * moved / row["ours"] / PEAK_BW
+    row.update(fractions(ceilings, bw=moved / row["ours"]))
     del data, outs, calls
     torch.cuda.empty_cache()
     if peers:
 
         def make():
-            q = torch.randn(batch, HEADS, 1, HEAD, device=DEV, dtype=torch.bfloat16)
-            kv = torch.randn(2, batch, KV_HEADS, ctx, HEAD, device=DEV, dtype=torch.bfloat16)
+            q = torch.randn(batch, HEADS, 1, HEAD, device=DEV, dtype=DTYPE)
+            kv = torch.randn(2, batch, KV_HEADS, ctx, HEAD, device=DEV, dtype=DTYPE)
             return q, kv[0], kv[1]
 
         row.update(bench_peers(make, sets, False, peers, 100))
     return row
 
 
-def bench_prefill(n: int, peers) -> dict | None:
+def bench_prefill(n: int, peers, ceilings: dict) -> dict | None:
     flops = 4 * n * n * HEAD * HEADS / 2  # causal
-    set_bytes = n * (2 * HEADS + 2 * KV_HEADS) * HEAD * 2
+    set_bytes = n * (2 * HEADS + 2 * KV_HEADS) * HEAD * DTYPE.itemsize
     sets = num_sets(set_bytes, cap=4 if n <= 4096 else 2)
     row = {"kind": "prefill", "tokens": n, "flops": flops, "sets": sets}
     if sets == 0:
@@ -324,13 +390,14 @@ def bench_prefill(n: int, peers) -> dict | None:
     calls = [lambda b=b, o=o: run_ours(b, o) for b, o in zip(data, outs)]
     row["ours"], row["ours_graph"] = time_per_call(calls, rep_ms=200)
     row["tflops"] = flops / row["ours"] / 1e12
+    row.update(fractions(ceilings, flops=flops / row["ours"]))
     del data, outs, calls
     torch.cuda.empty_cache()
     if peers:
 
         def make():
-            q = torch.randn(1, HEADS, n, HEAD, device=DEV, dtype=torch.bfloat16)
-            kv = torch.randn(2, 1, KV_HEADS, n, HEAD, device=DEV, dtype=torch.bfloat16)
+            q = torch.randn(1, HEADS, n, HEAD, device=DEV, dtype=DTYPE)
+            kv = torch.randn(2, 1, KV_HEADS, n, HEAD, device=DEV, dtype=DTYPE)
             return q, kv[0], kv[1]
 
         row.update(bench_peers(make, sets, True, peers, 200))
@@ -338,6 +405,8 @@ def bench_prefill(n: int, peers) -> dict | None:
 
 
 # ----------------------------------------------------------------------------- report
+
+LABELS = {"sdpa": "sdpa", "sdpa_cudnn_mha": "cudnn", "sdpa_flash_mha": "fa-mha", "flex": "flex"}
 
 
 def ratio(row: dict, peer: str) -> str:
@@ -348,16 +417,31 @@ def us(seconds: float | None) -> str:
     return f"{seconds * 1e6:.1f}" if seconds else "-"
 
 
-def print_tables(checks: list[dict], rows: list[dict]) -> None:
+def peer_columns(row: dict | None, names: tuple) -> str:
+    """Each peer's time, then each peer's time / ours (the header when ``row`` is None)."""
+    if row is None:
+        return "".join(f" {LABELS[n] + ' us':>10}" for n in names) + "".join(
+            f" {LABELS[n] + '/o':>8}" for n in names
+        )
+    return "".join(f" {us(row.get(n)):>10}" for n in names) + "".join(
+        f" {ratio(row, n):>8}" for n in names
+    )
+
+
+def print_tables(checks: list[dict], rows: list[dict], ceilings: dict) -> None:
     print(f"\nchecks (max|out-ref|/max|ref|, bound {REL_TOL:.0e}):")
     print(
         "  "
         + "  ".join(f"{c['case']}={c['rel_err']:.1e}{'' if c['ok'] else ' FAIL'}" for c in checks)
     )
-    print("\ndecode (bf16, 32/8 heads, head 128, block 16); ratio = peer time / ours")
+    print(f"\n{describe(ceilings)}")
+    print("%cp: % of the measured copy bandwidth, %BW of the nominal; %mm: % of the measured")
+    print("matmul rate, %pk of the nominal; ratio = peer time / ours (>1: we are faster)")
+    dims = f"{HEADS}/{KV_HEADS} heads, head {HEAD}, {str(DTYPE).removeprefix('torch.')}"
+    print(f"\ndecode ({dims}, block {PAGE}); peers: SDPA FlashAttention GQA, FlexAttention")
     print(
-        f"{'B':>4} {'ctx':>6} {'spl':>3} {'ours us':>9} {'GB/s':>7} {'%BW':>5} "
-        f"{'sdpa us':>9} {'flex us':>9} {'sdpa/o':>6} {'flex/o':>6}"
+        f"{'B':>4} {'ctx':>6} {'spl':>3} {'ours us':>9} {'GB/s':>7} {'%cp':>5} {'%BW':>5}"
+        + peer_columns(None, DECODE_PEERS)
     )
     for r in (r for r in rows if r["kind"] == "decode"):
         if "skipped" in r:
@@ -365,13 +449,14 @@ def print_tables(checks: list[dict], rows: list[dict]) -> None:
             continue
         print(
             f"{r['batch']:>4} {r['ctx']:>6} {r['splits']:>3} {us(r['ours']):>9} "
-            f"{r['gbps']:>7.0f} {r['pct_bw']:>5.1f} {us(r.get('sdpa')):>9} "
-            f"{us(r.get('flex')):>9} {ratio(r, 'sdpa'):>6} {ratio(r, 'flex'):>6}"
+            f"{r['gbps']:>7.0f} {r['pct_bw_measured']:>5.1f} {r['pct_bw']:>5.1f}"
+            + peer_columns(r, DECODE_PEERS)
         )
-    print("\ncausal prefill (bf16, one sequence, 32/8 heads, head 128)")
+    print(f"\ncausal prefill ({dims}, one sequence); peers: sdpa = SDPA FlashAttention GQA,")
+    print(f"cudnn / fa-mha = SDPA MHA (K/V expanded to {HEADS} heads) on cuDNN / FlashAttention")
     print(
-        f"{'tokens':>7} {'ours us':>10} {'TFLOP/s':>8} {'sdpa us':>10} {'flex us':>10} "
-        f"{'sdpa/o':>6} {'flex/o':>6}"
+        f"{'tokens':>7} {'ours us':>10} {'TFLOP/s':>8} {'%mm':>5} {'%pk':>5}"
+        + peer_columns(None, PREFILL_PEERS)
     )
     for r in (r for r in rows if r["kind"] == "prefill"):
         if "skipped" in r:
@@ -379,8 +464,8 @@ def print_tables(checks: list[dict], rows: list[dict]) -> None:
             continue
         print(
             f"{r['tokens']:>7} {us(r['ours']):>10} {r['tflops']:>8.0f} "
-            f"{us(r.get('sdpa')):>10} {us(r.get('flex')):>10} {ratio(r, 'sdpa'):>6} "
-            f"{ratio(r, 'flex'):>6}"
+            f"{r['pct_flops_measured']:>5.1f} {r['pct_flops']:>5.1f}"
+            + peer_columns(r, PREFILL_PEERS)
         )
 
 
@@ -388,9 +473,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new shapes")
     ap.add_argument("--no-peers", action="store_true", help="time our kernels only")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (interpreter)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    if not SMOKE and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --smoke)")
         return 2
     import torch._dynamo as dynamo
 
@@ -402,8 +488,10 @@ def main() -> int:
     checks = check_attention()
     for c in checks:
         print(
-            f"check {c['case']:>14}: {c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}", flush=True
+            f"check {c['case']:>16}: {c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}", flush=True
         )
+    ceilings = measure_ceilings(DEV)
+    print(json.dumps({"ceilings": ceilings}), flush=True)
     peers = None if args.no_peers else peer_fns()
     shapes = [("decode", b, c) for b in DECODE_BATCHES for c in DECODE_CTX]
     shapes += [("prefill", n, None) for n in PREFILL_TOKENS]
@@ -412,15 +500,19 @@ def main() -> int:
         if time.perf_counter() - start > args.budget_s:
             rows.append({"kind": kind, "batch": a, "ctx": c, "tokens": a, "skipped": "time budget"})
             continue
-        row = bench_decode(a, c, peers) if kind == "decode" else bench_prefill(a, peers)
+        if kind == "decode":
+            row = bench_decode(a, c, peers, ceilings)
+        else:
+            row = bench_prefill(a, peers, ceilings)
         print(json.dumps(row), flush=True)
         rows.append(row)
     result = {
-        "device": torch.cuda.get_device_name(),
+        "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "rel_tol": REL_TOL,
-        "peak_bw": PEAK_BW,
+        "peak_bw": ceilings["nominal_bw"],
+        "ceilings": ceilings,
         "checks": checks,
         "rows": rows,
         "wall_s": time.perf_counter() - start,
@@ -430,7 +522,7 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {path}")
-    print_tables(checks, rows)
+    print_tables(checks, rows, ceilings)
     return 0 if all(c["ok"] for c in checks) else 1
 
 

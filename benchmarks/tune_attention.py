@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import gpu_attention as ga  # noqa: E402
+from ceilings import NOMINAL_BW  # noqa: E402
 
 import attnserve.ops.triton_paged_attention as tpa  # noqa: E402
 
@@ -42,7 +43,7 @@ def time_decode(batch: int, ctx: int, cfg, splits: int) -> float:
     tpa.pick_config = lambda *a, **k: cfg
     tpa.pick_num_splits = lambda *a, **k: splits
     t, _ = ga.time_per_call([lambda b=b, o=o: ga.run_ours(b, o) for b, o in zip(data, outs)], rep_ms=60)
-    return t, moved / t / ga.PEAK_BW
+    return t, moved / t / NOMINAL_BW
 
 
 def time_prefill(n: int, cfg) -> float:

@@ -1,18 +1,27 @@
 """The GPU benchmark scripts run end to end at toy sizes on CPU (``--smoke``: Triton's
 interpreter, float32), so a change that breaks one is caught here, not in a device session.
-gpu_check runs one family on CPU. Each script exits non-zero when a correctness check fails."""
+gpu_check runs one family on CPU. Each script exits non-zero when a correctness check fails.
+The ceilings the scripts measure (``benchmarks/ceilings.py``) are measured here on CPU."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ceilings  # noqa: E402
+
 SCRIPTS = {
+    "gpu_attention": ["--smoke"],
     "gpu_gdn": ["--smoke"],
     "gpu_gemv": ["--smoke"],
     "gpu_graphs": ["--smoke"],
@@ -37,3 +46,30 @@ def test_benchmark_runs_at_toy_sizes(script, tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert list(tmp_path.glob("*.json")), f"{script} wrote no JSON"
+
+
+def test_ceilings_measured_on_cpu():
+    got = ceilings.measure_ceilings("cpu", copy_bytes=1 << 20, gemm_n=64)
+    assert {"copy_bw", "matmul_flops", "copy_us", "gemm_us", "copy_bytes", "gemm_n", "gemm_dtype",
+            "nominal_bw", "nominal_flops", "timer", "device", "note"} <= set(got)
+    for key in ("copy_bw", "matmul_flops", "copy_us", "gemm_us"):
+        assert math.isfinite(got[key]) and got[key] > 0, key
+    assert (got["copy_bytes"], got["gemm_n"], got["gemm_dtype"]) == (1 << 20, 64, "float32")
+    assert got["copy_bw"] == pytest.approx(2 * got["copy_bytes"] / (got["copy_us"] * 1e-6))
+    assert got["matmul_flops"] == pytest.approx(2 * 64**3 / (got["gemm_us"] * 1e-6))
+    assert (got["nominal_bw"], got["nominal_flops"]) == (ceilings.NOMINAL_BW, ceilings.NOMINAL_FLOPS)
+    pct = ceilings.fractions(got, bw=got["copy_bw"], flops=got["matmul_flops"] / 2)
+    assert pct["pct_bw_measured"] == pytest.approx(100)
+    assert pct["pct_flops_measured"] == pytest.approx(50)
+    assert pct["pct_bw"] == pytest.approx(100 * got["copy_bw"] / ceilings.NOMINAL_BW)
+    assert set(ceilings.fractions(got, bw=1.0)) == {"pct_bw", "pct_bw_measured"}
+
+
+def test_ceilings_cpu_timer_measures_and_inputs_are_checked():
+    seconds = ceilings.median_seconds(lambda: time.sleep(0.002), torch.device("cpu"), rep_ms=20)
+    assert 0.002 <= seconds < 0.5
+    for bad in ({"copy_bytes": 0}, {"gemm_n": -1}, {"gemm_n": 2.0}):
+        with pytest.raises(ValueError, match="positive int"):
+            ceilings.measure_ceilings("cpu", **bad)
+    with pytest.raises(ValueError, match="cuda or cpu"):
+        ceilings.measure_ceilings("meta")
