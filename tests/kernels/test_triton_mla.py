@@ -158,6 +158,19 @@ def test_mla_decode_head_blocks_and_pages(page, block_n):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+def test_many_head_configs_pipeline_dense_bf16_only():
+    """128 heads on the GPU: dense bf16 decode pipelines two 64-key tiles (no register spills on
+    the H200); fp8 rows and sparse MLA keep one stage. The interpreter's config never changes."""
+    from attnserve.ops.triton_mla import pick_mla_config
+
+    dense = pick_mla_config(128, torch.bfloat16, interpret=False)
+    assert (dense.block_h, dense.block_n, dense.num_warps, dense.num_stages) == (64, 64, 8, 2)
+    assert pick_mla_config(128, torch.bfloat16, interpret=False, fp8=True).num_stages == 1
+    assert pick_mla_config(128, torch.bfloat16, interpret=False, sparse=True).num_stages == 1
+    interp = pick_mla_config(128, torch.bfloat16, interpret=True)
+    assert interp == pick_mla_config(128, torch.bfloat16, interpret=True, sparse=True)
+
+
 def _all_positions(lens) -> torch.Tensor:
     """[B, max] every position of each request, -1 padded (dense attention as sparse rows)."""
     width = max(lens)

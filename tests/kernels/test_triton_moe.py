@@ -118,10 +118,11 @@ def test_tile_config_grows_with_the_pairs_per_expert():
     in grouped launch order; float32 (outside the interpreter) stays at most 64 x 32 x 32."""
     assert moe_config(torch.float16, 1.0) == MoEConfig(16, 64, 64, 64)  # decode: one short tile
     assert moe_config(torch.float16, 32.0) == MoEConfig(32, 64, 64, 64)
-    assert moe_config(torch.float16, 33.0).block_m == 64 and moe_config(torch.float16, 256.0).block_m == 64
+    assert moe_config(torch.float16, 33.0).block_m == 64 and moe_config(torch.float16, 192.0).block_m == 64
+    assert moe_config(torch.float16, 8192 * 8 / 256).block_m == 128  # DeepSeek-V3, an 8K-token chunk
     big = moe_config(torch.float16, 16384 * 8 / 128)  # Qwen3-30B-A3B, a 16K-token chunk
     assert big.block_m == 128 and big.block_n_down >= 128 and big.group_m > 0
-    sizes = [moe_config(torch.float16, m) for m in (1, 16, 17, 64, 65, 256, 257, 1e6)]
+    sizes = [moe_config(torch.float16, m) for m in (1, 16, 17, 64, 65, 192, 193, 256, 1e6)]
     assert [c.block_m for c in sizes] == sorted(c.block_m for c in sizes)
     assert [b for b, _ in CONFIGS] == sorted(b for b, _ in CONFIGS) and CONFIGS[-1][0] == float("inf")
     for _, cfg in CONFIGS:  # every block a power of two (tl.arange)

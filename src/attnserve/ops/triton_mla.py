@@ -71,7 +71,11 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 
 def pick_mla_config(
-    num_heads: int, dtype: torch.dtype = torch.bfloat16, interpret: bool | None = None, fp8: bool = False
+    num_heads: int,
+    dtype: torch.dtype = torch.bfloat16,
+    interpret: bool | None = None,
+    fp8: bool = False,
+    sparse: bool = False,
 ) -> MLAConfig:
     """One pinned config per shape class (no autotuning; the interpreter takes one config).
 
@@ -93,7 +97,12 @@ def pick_mla_config(
     if block_h <= 16:  # fp8 rows: 128-key tiles need 277 KB of shared memory to apply the scales
         return MLAConfig(16, 64, 4, 2) if fp8 else MLAConfig(16, 128, 4, 3)
     if block_h >= 64:
-        return MLAConfig(block_h, 64, 8, 1)
+        # two stages (cp.async loads of the next 64-key tile, 221 KB of shared memory) take the
+        # one-stage kernel's 78 spilled registers to none: 128 heads, 64 x 8K keys 823 -> 674 us,
+        # 8 x 32K 437 -> 345 us (H200, 2026-12-03; outputs bit-identical). fp8 rows keep one stage
+        # (their scales would not fit), and so does sparse MLA, whose gathered rows gained nothing
+        # (batch 32, top-k 2048: 201 against 196 us)
+        return MLAConfig(block_h, 64, 8, 1 if fp8 or sparse else 2)
     return MLAConfig(block_h, 32, 4, 2)
 
 
@@ -346,16 +355,18 @@ def prepare_latent_launch(
     out: torch.Tensor | None,
     num_splits: int | None,
     config: MLAConfig | None,
+    *,
+    sparse: bool = False,
 ) -> LatentLaunch:
     """Views, output and partial buffers, grid and constexprs of one latent-attention launch
-    (dense ``mla_decode`` here, sparse rows in ``ops/triton_mla_sparse``)."""
+    (dense ``mla_decode`` here, ``sparse`` rows in ``ops/triton_mla_sparse``)."""
     interpret = env.triton_interpret()
     rows, num_heads = q.shape[0], q.shape[1]
     rope_dim = q.shape[2] - kv_lora_rank
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dimension")
     kv, pe, sc, fp8 = latent_cache_views(latent_cache, kv_lora_rank, rope_dim)
-    cfg = config or pick_mla_config(num_heads, q.dtype, interpret, fp8)
+    cfg = config or pick_mla_config(num_heads, q.dtype, interpret, fp8, sparse)
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     if out is None:
         out = q.new_empty(rows, num_heads, kv_lora_rank)

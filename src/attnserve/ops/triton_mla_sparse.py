@@ -279,7 +279,8 @@ def sparse_mla(
         ``out``: u per row and head; 0 for a row whose slots are all unused.
     """
     num_idx = topk_indices.shape[1]
-    launch = prepare_latent_launch(q, latent_cache, kv_lora_rank, num_idx, out, num_splits, config)
+    launch = prepare_latent_launch(q, latent_cache, kv_lora_rank, num_idx, out, num_splits, config,
+                                   sparse=True)
     if q.shape[0] == 0 or num_idx == 0:
         return launch.out.zero_()
     o = launch.out
