@@ -154,15 +154,22 @@ def timed(llm: LLM, prompts: list, tokens: int) -> float:
     return time.perf_counter() - t
 
 
+def budget_reason(budget_s: float) -> str:
+    """The reason of a cell that ``--budget-s`` kept from starting."""
+    return f"not started: the run's time budget (--budget-s {budget_s:g}) was spent"
+
+
 class Recorder:
     """Collects cells and prints each as a JSON line when it completes; rewrites ``json_path``
     (when given) after every cell, so a command stopped by its time limit leaves what it
-    measured. ``budget_s``: cells not started by then are recorded as skipped."""
+    measured. ``budget_s``: decides only whether a (case, context) group starts (``may_start``);
+    a group that started runs all its cells."""
 
     def __init__(self, json_path: Path | None = None, header: dict | None = None, budget_s: float | None = None):
         self.cells: list[dict] = []
         self.json_path, self.header, self.budget_s = json_path, header or {}, budget_s
         self.started = time.perf_counter()
+        self.engines_started = 0
 
     def emit(self, cell: dict) -> None:
         self.cells.append(cell)
@@ -170,11 +177,11 @@ class Recorder:
         if self.json_path is not None:
             self.json_path.write_text(json.dumps({**self.header, "partial": True, "cells": self.cells}, indent=2))
 
-    def out_of_time(self) -> bool:
-        return self.budget_s is not None and time.perf_counter() - self.started > self.budget_s
-
-    def budget_reason(self) -> str:
-        return f"not started: the run's time budget (--budget-s {self.budget_s:g}) was spent"
+    def may_start(self) -> bool:
+        """Whether a new (case, context) group may start: no budget, no engine started yet (a
+        run always measures its first engine), or fewer than ``budget_s`` seconds spent."""
+        return (self.budget_s is None or self.engines_started == 0
+                or time.perf_counter() - self.started <= self.budget_s)
 
     def not_run(self, base: dict, batches: list[int], status: str, reasons: dict[int, str] | str,
                 prefill: bool = False) -> None:
@@ -281,10 +288,7 @@ def measure_engine(llm: LLM, context: int, batches: list[int], args, rec: Record
         base["state_slot_bytes"] = states[min(states)]
     prompts = random_prompts(engine.arch.vocab_size, max(todo), context, seed=context)
     rec.emit(measure_prefill(llm, prompts, context, not args.smoke, base))  # nothing compiles in smoke
-    for b in todo:
-        if rec.out_of_time():
-            rec.not_run(base, [b], "skipped", rec.budget_reason())
-            continue
+    for b in todo:  # no budget check: the prefill they reuse is paid for
         rec.emit(measure_decode(llm, prompts, b, context, args, rows, base, states))
 
 
@@ -305,8 +309,8 @@ def run_context(case: Case, path: str, context: int, batches: list[int], args, r
         base["state_backend"] = case.backend_name(state_backend)
     if case.cut_experts:  # --experts: a cut of another width is another measurement
         base["routed_experts"] = args.experts
-    if rec.out_of_time():
-        rec.not_run(base, batches, "skipped", rec.budget_reason(), prefill=True)
+    if not rec.may_start():
+        rec.not_run(base, batches, "skipped", budget_reason(rec.budget_s), prefill=True)
         return
     kwargs = engine_kwargs(args, case, context, max(batches), state_backend)
     room = snapshot_room(case, context, args)
@@ -323,6 +327,7 @@ def run_context(case: Case, path: str, context: int, batches: list[int], args, r
         kwargs["num_state_snapshots"] = max(fit) * room
     started = time.perf_counter()
     try:
+        rec.engines_started += 1  # counted before the build: a failed build used up the grace too
         llm = LLM(path, **kwargs)
     except Exception as e:
         unfit = not_fitting(e)

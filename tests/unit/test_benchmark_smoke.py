@@ -5,6 +5,7 @@ The ceilings the scripts measure (``benchmarks/ceilings.py``) are measured here 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -73,3 +74,19 @@ def test_ceilings_cpu_timer_measures_and_inputs_are_checked():
             ceilings.measure_ceilings("cpu", **bad)
     with pytest.raises(ValueError, match="cuda or cpu"):
         ceilings.measure_ceilings("meta")
+
+
+def test_gpu_mechanisms_budget_starts_groups_and_finishes_them(tmp_path):
+    """``--budget-s 0``: the first (case, context) group still runs its prefill and every decode
+    cell (all past the budget); the second group does not start, its cells skipped by the budget."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    args = ["--smoke", "--cases", "llama8b", "--contexts", "32,64", "--batches", "1,2", "--budget-s", "0"]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_mechanisms.py"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    cells = json.loads((tmp_path / "gpu_mechanisms.json").read_text())["cells"]
+    got = {(c["context"], c["cell"], c["batch"]): (c["status"], c.get("reason")) for c in cells}
+    spent = "not started: the run's time budget (--budget-s 0) was spent"
+    assert got == {(32, "prefill", 2): ("ok", None), (32, "decode", 1): ("ok", None), (32, "decode", 2): ("ok", None),
+                   (64, "prefill", 2): ("skipped", spent), (64, "decode", 1): ("skipped", spent),
+                   (64, "decode", 2): ("skipped", spent)}
