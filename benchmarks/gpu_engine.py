@@ -4,7 +4,7 @@ throughput workload (Qwen3-0.6B shape, 256 requests, input and output lengths un
 
 Both models use random (dummy) weights in bfloat16. The latency figure is compared with the
 bandwidth floor of the bytes a decode step must read (weights without the input embedding,
-plus the KV cache), at the measured 4.25 TB/s copy bandwidth.
+plus the KV cache), at the measured 4.25 TB/s copy bandwidth (``ceilings.NOMINAL_BW``).
 
 The throughput run uses the engine's platform defaults for the batch limits (what ``LLM(model)``
 gets, issue #21's "no tuning flags"); ``--max-num-seqs`` / ``--max-num-batched-tokens`` set
@@ -34,14 +34,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from ceilings import NOMINAL_BW
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from attnserve import LLM, SamplingParams  # noqa: E402
 from attnserve.presets import resolve_config_path  # noqa: E402
-
-BANDWIDTH = 4.25e12
 
 
 @contextlib.contextmanager
@@ -93,7 +92,7 @@ def latency_8b(input_len: int = 128, output_len: int = 256, async_scheduling: bo
     prefill = time.perf_counter() - t
     decode_tps = (output_len - 1) / (elapsed - prefill)
     kv_bytes = (input_len + output_len / 2) * 32 * 8 * 128 * 2 * 2
-    floor_s = (weight_bytes + kv_bytes) / BANDWIDTH
+    floor_s = (weight_bytes + kv_bytes) / NOMINAL_BW
     async_scheduling = llm.llm_engine.async_scheduling
     del llm
     torch.cuda.empty_cache()

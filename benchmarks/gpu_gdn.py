@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from ceilings import NOMINAL_BW  # noqa: E402
 
 from attnserve.attention.state import delta_rule_decode, gated_delta_decode  # noqa: E402
 from attnserve.ops.triton_gdn import fused_delta_rule_decode  # noqa: E402
 
-BANDWIDTH = 4.25e12
 QWEN3_NEXT = (16, 32, 128, 128)  # Hk, Hv, dk, dv
 BATCHES = [1, 16, 64, 256]
 BLOCK_VS = [8, 16, 32, 64]
@@ -100,7 +100,7 @@ def bench(b: int) -> dict:
     tiles = {bv: time_per_call(calls(fused_delta_rule_decode, block_v=bv))[0] * 1e6 for bv in BLOCK_VS}
     torch_s, torch_graphed = time_per_call(calls(gated_delta_decode))
     moved = 2 * b * row_bytes  # each row read once and written once
-    row = {"batch": b, "sets": sets, "us": ours * 1e6, "gbps": moved / ours / 1e9, "pct_bw": 100 * moved / ours / BANDWIDTH,
+    row = {"batch": b, "sets": sets, "us": ours * 1e6, "gbps": moved / ours / 1e9, "pct_bw": 100 * moved / ours / NOMINAL_BW,
            "torch_us": torch_s * 1e6, "torch_gbps": moved / torch_s / 1e9, "speedup": torch_s / ours,
            "block_v_us": tiles, "graphed": graphed and torch_graphed}
     print(json.dumps(row), flush=True)

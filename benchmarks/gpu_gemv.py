@@ -44,13 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from ceilings import NOMINAL_BW  # noqa: E402
 from graph_timing import graph_replay_us  # noqa: E402
 
 from attnserve.layers.gemv import act_linear_ref, norm_linear_ref  # noqa: E402
 from attnserve.ops import triton_fused, triton_gemv  # noqa: E402
 from attnserve.ops.triton_gemv import GemvConfig, config_for  # noqa: E402
 
-BANDWIDTH = 4.25e12
 EPS = 1e-5
 SHAPES = {  # name -> (N, K, prologue)
     "llama8b.qkv": (6144, 4096, "norm"),
@@ -187,7 +187,7 @@ def run_case(name: str, case: Case, args, failures: list[str]) -> dict:
     row["cublas_us"] = round(time_us(case, case.cublas, reps), 2)
     row["unfused_us"] = round(time_us(case, case.unfused, reps), 2)
     for key in ("fused", "cublas", "unfused"):
-        row[f"{key}_bw"] = round(case.bytes() / (row[f"{key}_us"] * 1e-6) / BANDWIDTH, 3)
+        row[f"{key}_bw"] = round(case.bytes() / (row[f"{key}_us"] * 1e-6) / NOMINAL_BW, 3)
     return row
 
 
@@ -259,7 +259,7 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_gemv.json"), "w") as f:
-            json.dump({"rows": rows, "failures": failures, "bandwidth": BANDWIDTH}, f, indent=1)
+            json.dump({"rows": rows, "failures": failures, "bandwidth": NOMINAL_BW}, f, indent=1)
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from ceilings import NOMINAL_BW  # noqa: E402
 
 from attnserve.attention.state import lightning_attention_decode, selective_scan_decode  # noqa: E402
 from attnserve.ops.triton_state_decode import (  # noqa: E402
@@ -42,7 +43,6 @@ from attnserve.ops.triton_state_decode import (  # noqa: E402
     fused_selective_scan_decode,
 )
 
-BANDWIDTH = 4.25e12
 JAMBA = (8192, 16)  # d_inner, d_state (Jamba-1.5-Mini)
 MINIMAX = (64, 128, 128)  # heads, dk, dv (MiniMax-Text-01)
 BATCHES = [1, 16, 64, 256]
@@ -120,7 +120,7 @@ def bench(model: str, shape, b: int) -> dict:
     torch_s, torch_graphed = time_per_call(calls(twin))
     moved = 2 * b * row_bytes  # each row read once and written once
     row = {"model": model, "batch": b, "sets": sets, "us": ours * 1e6, "gbps": moved / ours / 1e9,
-           "pct_bw": 100 * moved / ours / BANDWIDTH, "torch_us": torch_s * 1e6, "torch_gbps": moved / torch_s / 1e9,
+           "pct_bw": 100 * moved / ours / NOMINAL_BW, "torch_us": torch_s * 1e6, "torch_gbps": moved / torch_s / 1e9,
            "speedup": torch_s / ours, f"{tile_name}_us": tile_us, "graphed": graphed and torch_graphed}
     print(json.dumps(row), flush=True)
     return row

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from ceilings import NOMINAL_BW  # noqa: E402
 
 from attnserve.attention.state import (  # noqa: E402
     causal_conv1d_prefill,
@@ -55,7 +56,6 @@ from attnserve.ops.triton_state_prefill import (  # noqa: E402
     fused_selective_scan_prefill,
 )
 
-BANDWIDTH = 4.25e12
 EXP_RATE = 16 * 132 * 1.98e9  # exps per second (MUFU, H200)
 BATCHES = [(64, 1024), (8, 4096), (1, 32768)]
 # name -> dims: scan (d_inner, d_state); lightning (heads, head dim); conv (channels, width, bias)
@@ -155,7 +155,7 @@ def run(case, dims, b, length, dtype, device, smoke) -> dict:
         ms = time_ms(lambda: kernel(*args, state, **kw))
         twin_ms = time_ms(lambda: twin(*args, state, **kw))
         row.update(ms=ms, twin_ms=twin_ms, speedup=twin_ms / ms, mtok_s=sum(lens) / ms / 1e3,
-                   gbps=moved / ms / 1e6, pct_bw=100 * moved / ms / 1e-3 / BANDWIDTH)
+                   gbps=moved / ms / 1e6, pct_bw=100 * moved / ms / 1e-3 / NOMINAL_BW)
         if exps:
             row["exp_floor_ms"] = exps / EXP_RATE * 1e3
         if dtype == torch.bfloat16:

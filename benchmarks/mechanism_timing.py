@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ceilings import NOMINAL_BW, NOMINAL_FLOPS
 from mechanism_cases import Case
 from step_floors import (
-    BANDWIDTH,
-    PEAK_FLOPS,
     attention_flops_per_token,
     cache_rows,
     check_rows,
@@ -206,7 +205,7 @@ def measure_prefill(llm: LLM, prompts: list, context: int, warm_up: bool, base: 
     per_token, head = prefill_params(engine.runner.model, engine.arch)
     return {**base, "cell": "prefill", "batch": batch, "status": "ok", "seconds": seconds,
             "tok_s": batch * context / seconds, "flops": flops, "tflops": flops / seconds / 1e12,
-            "fraction_of_peak": flops / seconds / PEAK_FLOPS, "params_per_token": per_token, "head_params": head,
+            "fraction_of_peak": flops / seconds / NOMINAL_FLOPS, "params_per_token": per_token, "head_params": head,
             "attention_flops_per_token": attention_flops_per_token(engine.arch, context)}
 
 
@@ -257,9 +256,9 @@ def measure_decode(llm: LLM, prompts: list, batch: int, context: int, args, rows
     ms = statistics.median(r[0] for r in runs)
     weights = decode_weight_bytes(engine.runner.model, engine.arch, batch)
     cache = decode_cache_bytes(engine.arch, rows, batch, context, states)
-    floor_ms = 1e3 * (weights + cache) / BANDWIDTH
+    floor_ms = 1e3 * (weights + cache) / NOMINAL_BW
     flops = decode_flops(engine.runner.model, engine.arch, batch, context)
-    flop_ms = 1e3 * flops / PEAK_FLOPS
+    flop_ms = 1e3 * flops / NOMINAL_FLOPS
     bound = max(floor_ms, flop_ms)
     return {**base, "cell": "decode", "batch": batch, "status": "ok", "decode_ms": ms, "floor_ms": floor_ms,
             "floor_fraction": floor_ms / ms if ms > 0 else None, "flop_floor_ms": flop_ms, "decode_flops": flops,

@@ -1,7 +1,8 @@
 """What one step of a model must read and compute: the floors ``gpu_mechanisms.py`` measures
 against. Sizes come from the built model's modules and the engine's bound cache tensors.
 
-Decode floor, the bytes one step must read at 4.25 TB/s (measured copy bandwidth):
+Decode floor, the bytes one step must read at 4.25 TB/s (the copy bandwidth measured on the
+H200, ``ceilings.NOMINAL_BW``):
 
 - weights: every parameter of the model (sizes from its modules), except the input embedding,
   of which only the b rows looked up count; the output head in full; for each MoE layer the
@@ -44,7 +45,7 @@ Prefill FLOPs of b prompts of C tokens: b * (C * (2 * P + A) + 2 * H), with
   (dk + dv)); Mamba 7 * R (the recurrence below; the engine's log-step scan does more); plus
   the short convs, 2 * channels * K.
 
-Achieved TFLOP/s is against the measured 790 TFLOP/s bf16 matrix product.
+Achieved TFLOP/s is against the measured 790 TFLOP/s bf16 matrix product (``ceilings.NOMINAL_FLOPS``).
 
 A decode step also has a FLOP floor, its FLOPs at 790 TFLOP/s: 2 * (P + H) per token for the
 weights plus the attention of each token over its keys in the form the backends decode (GQA
@@ -66,8 +67,6 @@ from attnserve.kvcache.spec import CachePolicy
 from attnserve.layers.moe import FusedExperts
 
 __all__ = [
-    "BANDWIDTH",
-    "PEAK_FLOPS",
     "attention_flops_per_token",
     "cache_rows",
     "check_rows",
@@ -84,8 +83,6 @@ __all__ = [
     "state_rows",
 ]
 
-BANDWIDTH = 4.25e12  # B/s, measured device copy bandwidth (docs/performance.md)
-PEAK_FLOPS = 790e12  # FLOP/s, measured bf16 matrix product
 # chunk of the chunked delta-rule prefill forms (``attention/state/steps.py``: GDN and KDA)
 DELTA_CHUNK = 64
 # FLOPs per recurrent-state element of one decode token (the module docstring)
