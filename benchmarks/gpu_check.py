@@ -70,6 +70,11 @@ FAMILIES = {
                                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                                         first_k_dense_replace=1, q_lora_rank=32, n_group=2, topk_group=1)),
 }
+# 128 heads, kv_lora_rank 64, rope 16: the TMA decode kernel's shape class (64 heads a program,
+# two 32-column value halves, whole 64-row pages) at a tiny width
+FAMILIES["deepseek_v3_h128"] = ("deepseek_v3", dict(FAMILIES["deepseek_v3"][1], num_attention_heads=128,
+                                                    num_key_value_heads=128, kv_lora_rank=64,
+                                                    qk_rope_head_dim=16))
 # the sparse-MLA (DSA) and hybrid families of their CPU parity tests
 FAMILIES.update({f"dsa_{k}": v for k, v in DSA_FAMILIES.items()})
 FAMILIES["qwen3_next"] = HYBRID_FAMILIES["qwen3_next"]
@@ -121,7 +126,7 @@ def compare(outs, prompts, plp, greedy):
 
 
 def check_family(name: str, dtype: str, device: str = "cuda", backend: str | None = None,
-                 state_backend: str | None = None) -> dict:
+                 state_backend: str | None = None, block_size: int | None = 16) -> dict:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from attnserve import LLM, SamplingParams
@@ -149,10 +154,12 @@ def check_family(name: str, dtype: str, device: str = "cuda", backend: str | Non
         for mode, extra in MODES:
             if backend:
                 extra = dict(extra, attention_backend=backend)
-            llm = LLM(d, dtype=dtype, device=device, block_size=16, max_model_len=256, max_num_seqs=8, **extra)
+            llm = LLM(d, dtype=dtype, device=device, block_size=block_size, max_model_len=256, max_num_seqs=8,
+                      **extra)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             worst, agree = compare(outs, prompts, plp, greedy)
             row[mode] = {"max_dlogprob": worst, "greedy_agree": agree, "backends": llm.llm_engine.parts.backend_names,
+                         "block_size": llm.llm_engine.config.cache.block_size,
                          "graphs": llm.llm_engine.runner.graphs is not None}
             row.setdefault("tokens", {})[mode] = [o.outputs[0].token_ids for o in outs]
             del llm
@@ -175,6 +182,8 @@ def main() -> None:
     ap.add_argument("--state-backend", choices=("torch", "triton"), default=None,
                     help="the hybrid families' state layers on TORCH_<kind> or TRITON_<kind> (replaces "
                          "--attention-backend for them; default: the platform's first)")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens per KV block; 0: the engine's default (64 for MLA models on CUDA)")
     args = ap.parse_args()
     rows = []
     start = time.time()
@@ -184,7 +193,8 @@ def main() -> None:
                 print(f"budget spent: {name} {dtype} not run", flush=True)
                 continue
             try:
-                rows.append(check_family(name, dtype, args.device, args.attention_backend, args.state_backend))
+                rows.append(check_family(name, dtype, args.device, args.attention_backend, args.state_backend,
+                                         args.block_size or None))
                 print(json.dumps(rows[-1]), flush=True)
             except Exception as e:  # one family failing must not hide the others
                 rows.append({"family": name, "dtype": dtype, "error": f"{type(e).__name__}: {e}",
@@ -197,15 +207,15 @@ def main() -> None:
             json.dump(rows, f, indent=2)
     print(f"\nCUDA parity against transformers ({time.time() - start:.0f} s); dlogprob = max |prompt logprob "
           f"difference|, agree = share of prompts whose {NEW} greedy tokens are identical")
-    print(f"{'family':<16}{'dtype':<10}{'backend':<28}{'graphs dlp/agree':>20}{'eager dlp/agree':>20}"
+    print(f"{'family':<18}{'dtype':<10}{'backend':<28}{'graphs dlp/agree':>20}{'eager dlp/agree':>20}"
           f"{'chunked dlp/agree':>20}  graphs==eager  [transformers itself vs fp32]")
     for r in rows:
         if "error" in r:
-            print(f"{r['family']:<16}{r['dtype']:<10}ERROR {r['error'][:90]}")
+            print(f"{r['family']:<18}{r['dtype']:<10}ERROR {r['error'][:90]}")
             continue
         cells = [f"{r[m]['max_dlogprob']:.1e}/{r[m]['greedy_agree']:.2f}" for m in ("graphs", "eager", "chunked")]
         backend = ",".join(sorted(set(r["graphs"]["backends"])))
-        print(f"{r['family']:<16}{r['dtype']:<10}{backend:<28}{cells[0]:>20}{cells[1]:>20}{cells[2]:>20}  "
+        print(f"{r['family']:<18}{r['dtype']:<10}{backend:<28}{cells[0]:>20}{cells[1]:>20}{cells[2]:>20}  "
               f"{r['graphs_equal_eager']} (graphs {'on' if r['graphs']['graphs'] else 'off'})"
               + (f"  [{r['hf_vs_fp32']['max_dlogprob']:.1e}/{r['hf_vs_fp32']['greedy_agree']:.2f}]"
                  if r.get("hf_vs_fp32") else ""))

@@ -58,7 +58,9 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
+    # tokens per block; None: the engine's default for the model and device (engine/plan.py
+    # default_block_size: 64 for MLA caches on CUDA, where whole-page key tiles load by TMA; else 16)
+    block_size: int | None = None
     kv_cache_dtype: str = "auto"  # auto | fp8 | bfloat16 | float16 | float32
     indexer_cache_dtype: str = "auto"  # auto: fp8 when kv_cache_dtype is fp8, else the model dtype
     mamba_ssm_cache_dtype: str = "float32"  # recurrent state of state layers
@@ -72,8 +74,10 @@ class CacheConfig:
     streaming_window: int | None = None  # ... and the last W
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.block_size is not None and (
+                isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                or self.block_size <= 0 or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

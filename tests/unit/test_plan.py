@@ -21,7 +21,7 @@ from attnserve.arch import LayerKind, load_hf_config, read_arch
 from attnserve.attention.registry import BackendSelectionError
 from attnserve.config import EngineConfig
 from attnserve.engine import builder
-from attnserve.engine.plan import BackendChoice, EnginePlan, plan_engine
+from attnserve.engine.plan import BackendChoice, EnginePlan, default_block_size, plan_engine
 from attnserve.entrypoints import inspect as inspect_cmd
 from attnserve.entrypoints.cli import main
 from attnserve.platforms import get_platform
@@ -230,3 +230,21 @@ def test_engine_allocates_from_the_plan_it_is_given(monkeypatch):
     llm = _engine(monkeypatch, "attnserve-demo-gqa", CPU)
     assert llm.llm_engine.parts.backend_names == ["FLEX_ATTENTION"]
     assert {m.backend.name for m in _cache_layers(llm)} == {"FLEX_ATTENTION"}
+
+
+@pytest.mark.parametrize("name,platform,want", [
+    ("deepseek-ai/DeepSeek-V3", "cuda", 64), ("deepseek-ai/DeepSeek-V3.2", "cuda", 64),
+    ("deepseek-ai/DeepSeek-V3", "cpu", 16), ("meta-llama/Llama-3.1-8B-Instruct", "cuda", 16),
+])
+def test_default_block_size_by_model_and_platform(name, platform, want):
+    """No block size given: 64 for MLA caches on CUDA (a TMA page), else 16; inspect shows the
+    same size the engine would take, and a size given is kept."""
+    arch = read_arch(load_hf_config(resolve_config_path(name)))
+    plat = get_platform(platform)
+    assert default_block_size(arch, plat) == want
+    config = EngineConfig.from_kwargs("m", load_format="dummy")
+    assert config.cache.block_size is None
+    assert plan_engine(arch, config, plat).block_size == want
+    assert plan_engine(arch, EngineConfig.from_kwargs("m", block_size=32), plat).block_size == 32
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig.from_kwargs("m", block_size=48)

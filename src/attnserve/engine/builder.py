@@ -22,7 +22,7 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.registry import load_backend
 from attnserve.config import EngineConfig
 from attnserve.engine.batch_limits import BatchLimits, resolve_batch_limits
-from attnserve.engine.plan import EnginePlan, plan_engine
+from attnserve.engine.plan import EnginePlan, plan_engine, with_block_size
 from attnserve.engine.profile_run import profile_step
 from attnserve.engine.tensor_parallel import WorkerGroup, receive_config
 from attnserve.kvcache.groups import KVCacheGroup
@@ -216,6 +216,7 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     from attnserve.tokenizer import load_tokenizer
 
     device, platform = _device_and_platform(config)
+    config = with_block_size(config, arch, platform)  # every later reader sees the resolved size
     # each rank caches its own heads (tensor parallelism); the pool has as many blocks on every rank
     plan = plan_engine(arch, config, platform)
     max_len = plan.max_model_len

@@ -16,7 +16,7 @@ with the registry's error): inspect shows it, the engine raises it (``EnginePlan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attnserve.arch import LayerKind, LayerSpec, ModelArch, shard_arch
 from attnserve.attention.backend import BackendRequest
@@ -39,7 +39,10 @@ from attnserve.kvcache.groups import (
 from attnserve.kvcache.spec import CachePolicy, resolve_cache_dtype
 from attnserve.platforms import Platform
 
-__all__ = ["BackendChoice", "EnginePlan", "GroupPlan", "LayerPlan", "plan_engine"]
+__all__ = ["BackendChoice", "EnginePlan", "GroupPlan", "LayerPlan", "default_block_size", "plan_engine",
+           "with_block_size"]
+
+MLA_CUDA_BLOCK_SIZE = 64  # a 64-key tile is one page: the TMA decode kernel's unit (ops/triton_mla_tma)
 
 PassedOver = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -143,6 +146,21 @@ class EnginePlan:
             raise BackendSelectionError("\n".join(dict.fromkeys(errors)))
 
 
+def default_block_size(arch: ModelArch, platform: Platform) -> int:
+    """Tokens per block when the user gives none: 64 for a model with MLA caches on CUDA (the
+    dense decode kernel reads a 64-key tile of one page by TMA: 1.2-1.3x the rate of gathered
+    rows at 128 heads on the H200), else 16."""
+    mla = any(s.kind in (LayerKind.MLA, LayerKind.SPARSE_MLA) for s in arch.layers)
+    return MLA_CUDA_BLOCK_SIZE if mla and platform.device_type == "cuda" else 16
+
+
+def with_block_size(config: EngineConfig, arch: ModelArch, platform: Platform) -> EngineConfig:
+    """``config`` with its block size resolved (``default_block_size`` when None)."""
+    if config.cache.block_size is not None:
+        return config
+    return replace(config, cache=replace(config.cache, block_size=default_block_size(arch, platform)))
+
+
 def plan_engine(arch: ModelArch, config: EngineConfig, platform: Platform) -> EnginePlan:
     """The plan of ``arch`` served with ``config`` on ``platform``.
 
@@ -152,6 +170,7 @@ def plan_engine(arch: ModelArch, config: EngineConfig, platform: Platform) -> En
             latents of a rank that is not a multiple of 128). Backend errors are kept in the
             plan, not raised (``EnginePlan.backend_names``, ``EnginePlan.check_forced``).
     """
+    config = with_block_size(config, arch, platform)
     tp = config.parallel.tensor_parallel_size
     rank_arch = shard_arch(arch, tp)
     dtype = arch.dtype if config.model.dtype == "auto" else config.model.dtype

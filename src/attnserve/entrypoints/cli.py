@@ -62,7 +62,8 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default=None,
                    help="check this backend for every layer group (exits non-zero with every reason "
                         "it does not fit); default: the platform's first choice per group")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV cache block (default: 64 for MLA models on CUDA, else 16)")
     p.add_argument("--memory", type=float, default=None, metavar="GiB",
                    help="a KV cache budget: how many tokens and sequences it holds (default: not asked)")
     p.add_argument("--device-memory", "--gpu-memory", dest="device_memory", default=None, metavar="SIZE",

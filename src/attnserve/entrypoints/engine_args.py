@@ -57,7 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's element type: auto (the model's dtype), fp8, bfloat16, "
                         "float16 or float32")
     g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"),
-                   help="tokens per KV cache block (a power of two)")
+                   help="tokens per KV cache block (a power of two; default: 64 for MLA models on "
+                        "CUDA, else 16)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="the longest sequence, prompt and output together (default: the model "
                         "config's context length)")

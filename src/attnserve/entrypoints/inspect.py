@@ -374,7 +374,7 @@ def _config_path(model: str, revision: str | None) -> tuple[Path, bool]:
 
 def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
                  attention_backend: str | None = None, memory_gib: float | None = None,
-                 max_model_len: int | None = None, block_size: int = 16, use_mla: bool = True,
+                 max_model_len: int | None = None, block_size: int | None = None, use_mla: bool = True,
                  tensor_parallel_size: int = 1, device_memory_gib: float | None = None,
                  gpu_memory_utilization: float = 0.9, revision: str | None = None) -> InspectReport:
     """The engine's plan for ``model`` with these options, ready to render.
