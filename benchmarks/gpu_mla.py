@@ -3,7 +3,8 @@
 1. Checks, bf16 against the float32 PyTorch twins (``attention/reference_mla.py``), bound
    ``max|out - ref| / max|ref| <= 2e-2``: dense decode (bf16 / fp8 rows, automatic and forced
    splits, 16 and 128 heads), sparse MLA over decode and prefill rows (-1 slots, a row of all
-   -1), indexer logits (exact bf16, fp8 rows) and its top-k against ``indexer_topk`` (recall).
+   -1), indexer logits (exact bf16, fp8 rows; a mixed batch through the tiled kernel, its decode
+   rows alone through the streaming one) and its top-k against ``indexer_topk`` (recall).
 2. Dense absorbed decode (576-wide bf16 rows, page 64), 16 and 128 heads x batch 1..128 x
    context 4K..64K: GB/s (latent rows, q, u), TFLOP/s (2 B H S 1088); peer: TORCH_MLA's
    absorbed form, SDPA over latent rows already gathered contiguous. Every timed row is also
@@ -14,7 +15,8 @@
    against dense decode of the same cache; prefill of 4096 rows (TFLOP/s).
 4. Indexer (64 heads x 128), batch 1 and 32 at 8K..128K, fp8 and bf16 keys: the logits kernel
    (% of bandwidth: key rows in, logits out) and ``torch.topk``'s share; a causal prefill.
-5. Unless ``--no-sweep``: a few launch configs per kernel at one shape each, with the best.
+5. Unless ``--no-sweep``: a few launch configs per kernel at one shape each, with the best
+   (the indexer's tiled and streaming decode kernels side by side, fp8 and bf16 keys).
 
 Timing: ``benchmarks/gpu_attention.py``'s ``time_per_call`` (one CUDA graph over rotated input
 sets, ``do_bench`` median). Shapes are skipped when they do not fit or the budget (270 s) has
@@ -241,17 +243,24 @@ def check_indexer(fp8: bool) -> list[dict]:
         rows = cache[table[i].long()[pos // S.page], pos % S.page]
         scores = index_scores(q[None, a:e], w[None, a:e], rows[None])[0]
         want[a:e, : lens[i]] = scores.masked_fill(pos > positions[a:e, None], float("-inf"))
-    seen = ~torch.isneginf(want)
-    err = rel_err(got[seen], want[seen]) if torch.equal(seen, ~got.isneginf()) else float("inf")
+    # the two decode rows alone: the streaming kernel (the mixed batch ran the tiled one)
+    dec_args = (cache, table[:2], qsl[:3], args[3][:2], positions[:2])
+    dec = indexer_logits(d["q"][:2], d["w"][:2], *dec_args, width=max(lens), max_query_len=1,
+                         dot_scale=d["dot_scale"])  # fmt: skip
+    tag = "_fp8" if fp8 else ""
+    out = [{"case": f"indexer_logits{tag}", "rel_err": _logits_err(got, want)},
+           {"case": f"indexer_decode{tag}", "rel_err": _logits_err(dec, want[:2])}]  # fmt: skip
     sel = lightning_indexer_topk(q, w, *args, topk=S.topk, **bounds).tolist()
     ref = indexer_topk(q, w, *args, topk=S.topk, fp8=fp8).tolist()
     hits = sum(len({x for x in b if x >= 0} & set(a)) for a, b in zip(sel, ref))
     total = sum(sum(x >= 0 for x in b) for b in ref)
-    tag = "_fp8" if fp8 else ""
-    return [
-        {"case": f"indexer_logits{tag}", "rel_err": err},
-        {"case": f"indexer_topk{tag}", "rel_err": 1.0 - hits / total, "bound": 1e-2},
-    ]
+    return [*out, {"case": f"indexer_topk{tag}", "rel_err": 1.0 - hits / total, "bound": 1e-2}]
+
+
+def _logits_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """rel_err over the visible keys; inf when the -inf pattern differs."""
+    seen = ~torch.isneginf(want)
+    return rel_err(got[seen], want[seen]) if torch.equal(seen, ~got.isneginf()) else float("inf")
 
 
 def run_checks() -> list[dict]:
@@ -436,8 +445,17 @@ SWEEP_MANY_HEADS = [MLAConfig(*c) for c in ((16, 64, 4, 2), (16, 32, 4, 2), (32,
 SWEEP_FEW_HEADS = [MLAConfig(*c) for c in ((16, 64, 4, 2), (16, 128, 4, 2), (16, 32, 4, 3),
                    (16, 64, 8, 3), (16, 128, 8, 2), (16, 128, 4, 3), (16, 64, 4, 4), (16, 32, 4, 4),
                    (32, 64, 4, 2))]  # fmt: skip
+# the tiled kernel (the decode path before the streaming one), then the streaming kernel: the
+# pinned config, 128-key tiles, three key tiles in flight (7 stages), twice the programs, and
+# the exact fp16 dot over fp8 rows (what e4m3 straight into the tensor cores saves)
 SWEEP_INDEXER = [IndexerConfig(*c) for c in ((1, 128, 4, 3), (1, 64, 4, 3), (1, 128, 8, 3),
-                 (1, 128, 4, 2, 1), (1, 128, 4, 3, 4), (1, 256, 8, 2))]  # fmt: skip
+                 (1, 128, 4, 2, 1), (1, 128, 4, 3, 4), (1, 256, 8, 2))] + [
+    IndexerConfig(1, 64, 4, 5, stream=True),
+    IndexerConfig(1, 128, 4, 5, stream=True),
+    IndexerConfig(1, 64, 4, 7, stream=True),
+    IndexerConfig(1, 64, 4, 5, stream=True, waves=8),
+    IndexerConfig(1, 64, 4, 5, stream=True, fp8_dot=False),
+]  # fmt: skip
 
 
 def sweep(deadline: float) -> list[dict]:
@@ -451,6 +469,8 @@ def sweep(deadline: float) -> list[dict]:
         (f"sparse_b{sb}_{4 * c}_fp8", SWEEP_MANY_HEADS,
          lambda g: time_latent("sparse_decode", sb, h, 4 * c, True, g)),
         (f"indexer_b{ib}_{8 * c}_fp8", SWEEP_INDEXER, lambda g: time_indexer(ib, 8 * c, True, g)),
+        (f"indexer_b{ib}_{8 * c}_bf16", [g for g in SWEEP_INDEXER if g.fp8_dot],
+         lambda g: time_indexer(ib, 8 * c, False, g)),
     ]  # fmt: skip
     out = []
     for shape, configs, fn in jobs:

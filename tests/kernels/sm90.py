@@ -3,12 +3,14 @@
 A test gives a script body that wraps kernels in ``record`` and calls the real launch code; the
 body runs in a fresh interpreter without ``TRITON_INTERPRET``, the recorded launches (GPU
 configs, constexprs, dtypes) are compiled down to a cubin, and each prints one line
-``compiled <kernel> shared <bytes>``. That catches what the interpreter cannot: typing,
-layouts, shared memory.
+``compiled {json}``. That catches what the interpreter cannot: typing, layouts, shared memory;
+with ``ptxas=True`` also the registers and spills (the bundled ptxas on the PTX, as the driver
+would load it), the pipeliner's async copies (TTGIR) and the wgmma forms (PTX).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +45,9 @@ def record(module, *names):
 """
 
 _COMPILE = r"""
+import json, os, re, subprocess, tempfile
+
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 for kernel, args, kwargs in calls:
     names = kernel.arg_names
     consts = {k: v for k, v in kwargs.items() if k in names}
@@ -60,23 +65,40 @@ for kernel, args, kwargs in calls:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, {(names.index(k),): v for k, v in consts.items()}, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    print("compiled", kernel.__name__, "shared", compiled.metadata.shared, flush=True)
+    info = {"kernel": kernel.__name__, "shared": compiled.metadata.shared}
+    if PTXAS:
+        ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
+                                    capture_output=True, text=True, check=True).stderr
+        info["regs"] = int(re.search(r"Used (\d+) registers", report).group(1))
+        info["spill"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill", report))
+        info["async_copies"] = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")
+        info["wgmma"] = sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx)))
+    print("compiled", json.dumps(info), flush=True)
 """
 
 
-def compile_for_sm90(body: str) -> list[int]:
+def compile_for_sm90(body: str, ptxas: bool = False) -> list[dict]:
     """Run ``body`` (launches under ``record``) and compile what it launched for sm_90.
 
     Returns:
-        The shared memory in bytes of each compiled launch, in launch order.
+        One dict per compiled launch, in launch order: ``kernel``, ``shared`` (bytes) and, with
+        ``ptxas``, ``regs``, ``spill`` (bytes stored and loaded), ``async_copies`` (in the
+        TTGIR) and ``wgmma`` (the distinct instructions of the PTX).
     """
     # Triton's cache is keyed by the kernel source, so a cached compile is still a valid check.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PRELUDE + body + _COMPILE], env=env, capture_output=True,
-                          text=True, timeout=300)
+    script = _PRELUDE + body + f"\nPTXAS = {ptxas}\n" + _COMPILE
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
     if proc.returncode == 77:
         pytest.skip(f"no Triton CUDA backend to compile with: {proc.stdout.strip()}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    shared = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("compiled")]
-    assert max(shared, default=0) <= 227 * 1024, proc.stdout  # H100/H200 shared memory per block
-    return shared
+    prefix = "compiled "
+    infos = [json.loads(line[len(prefix):]) for line in proc.stdout.splitlines() if line.startswith(prefix)]
+    assert max((i["shared"] for i in infos), default=0) <= 227 * 1024, proc.stdout  # H100/H200 per block
+    return infos

@@ -1,4 +1,4 @@
-"""Triton MLA kernels (dense decode, sparse MLA, DSA indexer) against their PyTorch twins, on CPU.
+"""Triton MLA kernels (dense decode, sparse MLA) against their PyTorch twins, on CPU.
 
 Runs through Triton's interpreter (``TRITON_INTERPRET=1``), in fp32 and fp16 (bf16 once, to
 check the kernels' fp32 up-cast; the interpreter cannot do bf16 arithmetic), over model-dtype
@@ -9,7 +9,8 @@ Lengths sit on and around page and tile boundaries. Then the backends end to end
 DeepSeek-V3 and V3.2 models through ``LLM(attention_backend=TRITON_MLA / TRITON_MLA_SPARSE)``
 give TORCH_MLA's / TORCH_MLA_SPARSE's greedy tokens and logprobs (1e-4).
 
-Not covered here: GPU numerics and speed (``benchmarks/gpu_mla.py``).
+Not covered here: the DSA indexer (``test_triton_indexer.py``), GPU numerics and speed
+(``benchmarks/gpu_mla.py``).
 """
 
 from __future__ import annotations
@@ -27,27 +28,18 @@ try:
 except ImportError:
     pytest.skip("triton is not installed (pip install attnserve[gpu])", allow_module_level=True)
 
-from attnserve.attention.backends.torch_mla_sparse import index_scores  # noqa: E402
 from attnserve.attention.reference_mla import (  # noqa: E402
     absorb_q,
     apply_w_uv,
-    indexer_topk,
     mla_decode_absorbed,
     sparse_mla_attention,
-    write_indexer_keys,
     write_latent,
 )
-from attnserve.kvcache.fp8 import hadamard, mla_fp8_row_bytes, quantize_act_fp8  # noqa: E402
+from attnserve.kvcache.fp8 import mla_fp8_row_bytes  # noqa: E402
 from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
-from attnserve.ops.triton_mla_sparse import (  # noqa: E402
-    IndexerConfig,
-    indexer_logits,
-    lightning_indexer_topk,
-    sparse_mla,
-)
+from attnserve.ops.triton_mla_sparse import sparse_mla  # noqa: E402
 
 HEADS, NOPE, ROPE, V = 4, 16, 8, 12
-IDX_HEADS, IDX_DIM = 16, 32
 SCALE = 0.3
 # max|out - ref| / max|ref| against the float32 twins
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -238,126 +230,6 @@ def test_sparse_mla_splits_and_out_of_range():
     same = sparse_mla(q, cache, table, lens, beyond, reqs, kv_lora_rank=rank, scale=SCALE,
                       config=cfg)  # fmt: skip
     assert rel_err(same, whole) < 2e-6
-
-
-# ----------------------------------------------------------------------------- indexer
-
-INDEXER_CASES = {
-    "decode": ([1, 1, 1, 1], [1, 40, 64, 97]),
-    "prefill": ([21], [21]),
-    "mixed_chunked": ([1, 1, 13, 4, 6], [9, 66, 40, 4, 70]),
-}
-
-
-def indexer_batch(case, dtype, fp8, seed, page=16):
-    gen = torch.Generator().manual_seed(seed)
-    query_lens, seq_lens = INDEXER_CASES[case]
-    width = IDX_DIM + 4 if fp8 else IDX_DIM
-    fill = 255 if fp8 else float("nan")
-    cache, table, slots = paged(seq_lens, width, page, gen, fill, torch.uint8 if fp8 else dtype)
-    for s in slots:
-        write_indexer_keys(cache, torch.randn(len(s), IDX_DIM, generator=gen), s)
-    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
-    return dict(
-        q=torch.randn(len(positions), IDX_HEADS, IDX_DIM, generator=gen).to(dtype),
-        weights=torch.randn(len(positions), IDX_HEADS, generator=gen),
-        index_cache=cache,
-        block_table=table,
-        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        positions=positions,
-    ), (max(query_lens), max(seq_lens))
-
-
-def twin_logits(b) -> torch.Tensor:
-    """[T, S_max] index scores by TORCH_MLA_SPARSE's formula, -inf where not visible."""
-    qsl, lens, cache = b["query_start_loc"].tolist(), b["seq_lens"].tolist(), b["index_cache"]
-    out = torch.full((len(b["positions"]), max(lens)), float("-inf"))
-    for i, s in enumerate(lens):
-        pos = torch.arange(s)
-        rows = cache[b["block_table"][i].long()[pos // cache.shape[1]], pos % cache.shape[1]]
-        a, e = qsl[i], qsl[i + 1]
-        scores = index_scores(b["q"][None, a:e], b["weights"][None, a:e], rows[None])[0]
-        visible = pos[None, :] <= b["positions"][a:e, None]
-        out[a:e, :s] = scores.masked_fill(~visible, float("-inf"))
-    return out
-
-
-def run_logits(b, fp8, max_q, max_s, config=None):
-    """(kernel logits, twin logits) of an indexer batch, scaled as lightning_indexer_topk does."""
-    heads, dim = IDX_HEADS, IDX_DIM
-    if fp8:
-        q8, q_scale = quantize_act_fp8(hadamard(b["q"]))
-        q_in, hw, dot_scale = q8, b["weights"] * heads**-0.5 * q_scale * dim**-0.5, 1.0
-    else:
-        q_in, hw, dot_scale = b["q"], b["weights"] * heads**-0.5, dim**-0.5
-    args = {k: v for k, v in b.items() if k not in ("q", "weights")}
-    got = indexer_logits(
-        q_in, hw, **args, width=max_s, max_query_len=max_q, dot_scale=dot_scale, config=config
-    )
-    return got, twin_logits(b)
-
-
-def assert_close_logits(got, want, tol):
-    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "causal / length mask"
-    seen = ~torch.isneginf(want)
-    assert ((got[seen] - want[seen]).abs().max() / want[seen].abs().max()) < tol
-
-
-@pytest.mark.parametrize("case", sorted(INDEXER_CASES))
-@pytest.mark.parametrize(
-    "dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float32, True)],
-    ids=["fp32", "fp16", "fp8"],
-)  # fmt: skip
-def test_indexer_logits_and_topk(case, dtype, fp8):
-    b, (max_q, max_s) = indexer_batch(case, dtype, fp8, seed=11)
-    got, want = run_logits(b, fp8, max_q, max_s)
-    assert_close_logits(got, want, 2e-3 if dtype == torch.float16 else 2e-6)
-    args = {k: v for k, v in b.items() if k not in ("q", "weights")}
-    topk = 8
-    sel = lightning_indexer_topk(
-        b["q"], b["weights"], **args, topk=topk, max_query_len=max_q, max_seq_len=max_s
-    )
-    ref = indexer_topk(b["q"], b["weights"], **args, topk=topk, fp8=fp8)
-    assert_same_selection(sel, ref, want)
-
-
-@pytest.mark.parametrize(
-    "case,config",
-    [("decode", IndexerConfig(1, 16, 4, 1, key_tiles=2)),
-     ("mixed_chunked", IndexerConfig(2, 32, 4, 1, key_tiles=3)),
-     ("mixed_chunked", IndexerConfig(4, 16, 4, 1, key_tiles=1))],
-    ids=["decode-16x2", "mixed-t2-32x3", "mixed-t4-16x1"],
-)  # fmt: skip
-def test_indexer_logits_tiling(case, config):
-    """Several programs per row, each over several key tiles (the last one past the width),
-    and token blocks that straddle requests' ends; fp8 rows."""
-    b, (max_q, max_s) = indexer_batch(case, torch.float32, True, seed=13)
-    got, want = run_logits(b, True, max(max_q, 2), max_s, config)
-    assert_close_logits(got, want, 2e-6)
-
-
-def assert_same_selection(sel, ref, logits, tol=1e-4):
-    """Same number of -1 per row, and the selected keys' scores equal the twin's (so a swap
-    between keys of equal score passes, any other difference fails)."""
-    assert sel.shape == ref.shape and sel.dtype == torch.int32
-    assert torch.equal((sel < 0).sum(1), (ref < 0).sum(1))
-    for row in range(sel.shape[0]):
-        a, b = sel[row][sel[row] >= 0].long(), ref[row][ref[row] >= 0].long()
-        assert len(set(a.tolist())) == len(a), "a key selected twice"
-        va, vb = logits[row, a].sort().values, logits[row, b].sort().values
-        assert (va - vb).abs().max().item() <= tol * max(1.0, vb.abs().max().item()), row
-
-
-def test_indexer_topk_selects_every_key_when_few():
-    """max_seq_len <= topk: every visible key, without scoring; equal to the twin as a set."""
-    b, (max_q, max_s) = indexer_batch("mixed_chunked", torch.float32, False, seed=12)
-    args = {k: v for k, v in b.items() if k not in ("q", "weights")}
-    sel = lightning_indexer_topk(b["q"], b["weights"], **args, topk=80, max_query_len=max_q,
-                                 max_seq_len=max_s)  # fmt: skip
-    ref = indexer_topk(b["q"], b["weights"], **args, topk=80, fp8=False)
-    for row in range(sel.shape[0]):
-        assert set(sel[row].tolist()) == set(ref[row].tolist())
 
 
 # ----------------------------------------------------------------------------- backends, end to end

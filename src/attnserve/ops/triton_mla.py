@@ -15,7 +15,7 @@ helpers below (query and row loads, the online-softmax tile, the row store) are 
 ``ops/triton_mla_sparse.py``. A query row need not be a decode: the TRITON_MLA backend also
 runs each token of a short prefill as a row of its own, with its request's block table row and
 its causal key count. Not here: long prefills (the backend's expanded PyTorch path), writing
-the cache (``backends/torch_mla.write_latent_rows``), the indexer. The PyTorch twin is
+the cache (``backends/torch_mla.write_latent_rows``), the indexer (``ops/triton_indexer.py``). The PyTorch twin is
 ``attention.reference_mla.mla_decode_absorbed``.
 """
 

@@ -4,7 +4,7 @@ The same contract, caches and arithmetic as TORCH_MLA_SPARSE (``torch_mla_sparse
 docstring defines the two calls a sparse layer makes:
 
 1. ``select_topk``: stores the new indexer keys (``write_indexer_rows``: model dtype or
-   132-byte fp8 rows), then ``ops/triton_mla_sparse.lightning_indexer_topk`` scores every
+   132-byte fp8 rows), then ``ops/triton_indexer.lightning_indexer_topk`` scores every
    visible key in one kernel (exact over a model-dtype cache, DeepSeek's fp8 formula over an
    fp8 cache) and keeps the best ``topk``: decodes are one batched call, selected by radix
    select (``ops/triton_topk.py``, reading each row only up to its length); prefills one
@@ -15,7 +15,7 @@ docstring defines the two calls a sparse layer makes:
    ``sparse_mla`` over each row's selected latent rows (decode and prefill rows alike, -1 slots
    skipped, all -1 gives 0), then applies ``W_UV``.
 
-Not here: the kernels (``ops/triton_mla_sparse.py``), the projections and RoPE.
+Not here: the kernels (``ops/triton_indexer.py``, ``ops/triton_mla_sparse.py``), the projections and RoPE.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_mla_sparse import write_and_attend, write_indexer_rows
 from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.ops.triton_mla_sparse import lightning_indexer_topk, sparse_mla
+from attnserve.ops.triton_indexer import lightning_indexer_topk
+from attnserve.ops.triton_mla_sparse import sparse_mla
 from attnserve.platforms import to_device
 
 __all__ = ["TritonMLASparseBackend", "TritonMLASparseMetadata"]
