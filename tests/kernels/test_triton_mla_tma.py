@@ -1,6 +1,5 @@
-"""The TMA form of the dense MLA decode kernel (``ops/triton_mla_tma``), straight and swapped (keys
-as MMA rows), against the PyTorch twin and the pointer kernel, on CPU through Triton's
-interpreter (which emulates tensor descriptors).
+"""The TMA form of the dense MLA decode kernel (``ops/triton_mla_tma``) against the PyTorch twin
+and the pointer kernel, on CPU through Triton's interpreter (which emulates tensor descriptors).
 
 Caches are NaN-filled before the live rows are written: a read of an unused slot, the null
 block or the rows past a sequence in its last page shows up as NaN. Lengths sit on and around
@@ -76,8 +75,8 @@ def test_tma_decode_matches_twin_and_pointer_kernel(dtype, page, block_n, heads)
                                kv_lora_rank=RANK, scale=SCALE)  # fmt: skip
     pointer = mla_decode(q, cache, table, seq_lens, kv_lora_rank=RANK, scale=SCALE,
                          max_seq_len=100, config=MLAConfig(16, block_n, 4, 1))  # fmt: skip
-    for splits, swap in ((1, False), (3, False), (8, False), (1, True), (3, True)):
-        cfg = MLAConfig(16, block_n, 4, 1, tma=True, swap=swap)
+    for splits in (1, 3, 8):
+        cfg = MLAConfig(16, block_n, 4, 1, tma=True)
         out = torch.full((len(lens), heads, RANK), float("nan"), dtype=dtype)
         mla_decode(q, cache, table, seq_lens, kv_lora_rank=RANK, scale=SCALE, max_seq_len=100,
                    out=out, num_splits=splits, config=cfg)  # fmt: skip

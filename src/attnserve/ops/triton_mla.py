@@ -64,7 +64,6 @@ class MLAConfig:
     num_warps: int
     num_stages: int
     tma: bool = False
-    swap: bool = False  # TMA kernel: keys and value columns as MMA rows (few heads)
 
     def __post_init__(self):
         if self.block_h < 16 or self.block_n < 16:
@@ -469,7 +468,6 @@ def mla_decode(
         meta = {k: launch.meta[k] for k in ("PAGE", "L", "R", "BLOCK_H", "BLOCK_N", "DT",
                                             "PRECISION", "SPLIT", "INTERPRET", "num_warps",
                                             "num_stages")}  # fmt: skip
-        meta["SWAP"] = cfg.swap
         rows = latent_cache.view(-1, latent_cache.shape[-1])
         # fmt: off
         _mla_decode_tma_kernel[launch.grid](

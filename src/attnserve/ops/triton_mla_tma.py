@@ -67,45 +67,26 @@ def tma_descriptors(latent_cache: torch.Tensor, kv_lora_rank: int, block_n: int)
 # fmt: off
 @triton.jit
 def _split_tile(acc0, acc1, m_i, l_i, q0, q1, q_pe, kv0, kv1, pe, valid, qk_scale,
-                PRECISION: tl.constexpr, SWAP: tl.constexpr):
-    """Online-softmax update with one key tile held as two value halves and the rope part.
-
-    SWAP (few heads): everything transposed, keys and value columns as the MMA rows, heads as
-    its columns (q halves [HALF, BLOCK_H], scores [BLOCK_N, BLOCK_H], acc halves [HALF,
-    BLOCK_H]): 16 heads are too few rows for a warp-group MMA, 64 keys and 256 columns are not,
-    and both operands of every product come straight from shared memory."""
-    if SWAP:
-        s = tl.dot(kv0, q0, input_precision=PRECISION)  # [BLOCK_N, BLOCK_H]
-        s = tl.dot(kv1, q1, s, input_precision=PRECISION)
-        s = tl.dot(pe, q_pe, s, input_precision=PRECISION)
-        s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        p = p.to(kv0.dtype)
-        acc0 = tl.dot(tl.trans(kv0), p, acc0 * alpha[None, :], input_precision=PRECISION)
-        acc1 = tl.dot(tl.trans(kv1), p, acc1 * alpha[None, :], input_precision=PRECISION)
-    else:
-        s = tl.dot(q0, tl.trans(kv0), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
-        s = tl.dot(q1, tl.trans(kv1), s, input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(pe), s, input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(kv0.dtype)
-        acc0 = tl.dot(p, kv0, acc0 * alpha[:, None], input_precision=PRECISION)
-        acc1 = tl.dot(p, kv1, acc1 * alpha[:, None], input_precision=PRECISION)
+                PRECISION: tl.constexpr):
+    """Online-softmax update with one key tile held as two value halves and the rope part."""
+    s = tl.dot(q0, tl.trans(kv0), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+    s = tl.dot(q1, tl.trans(kv1), s, input_precision=PRECISION)
+    s = tl.dot(q_pe, tl.trans(pe), s, input_precision=PRECISION)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(kv0.dtype)
+    acc0 = tl.dot(p, kv0, acc0 * alpha[:, None], input_precision=PRECISION)
+    acc1 = tl.dot(p, kv1, acc1 * alpha[:, None], input_precision=PRECISION)
     return acc0, acc1, m_new, l_i
 
 
 @triton.jit
 def _tma_tile(acc0, acc1, m_i, l_i, q0, q1, q_pe, t, bt_row, seq_len, qk_scale, kv_desc,
               pe_desc, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, L: tl.constexpr,
-              HALF: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
-              SWAP: tl.constexpr):
+              HALF: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr):
     """A whole tile: BLOCK_N consecutive rows of one page, three descriptor loads."""
     k0 = t * BLOCK_N
     row = tl.load(bt_row + k0 // PAGE) * PAGE + k0 % PAGE
@@ -114,25 +95,20 @@ def _tma_tile(acc0, acc1, m_i, l_i, q0, q1, q_pe, t, bt_row, seq_len, qk_scale, 
     pe = pe_desc.load([row, L]).to(DT)
     valid = k0 + tl.arange(0, BLOCK_N) < seq_len  # all true; keeps one tile function
     return _split_tile(acc0, acc1, m_i, l_i, q0, q1, q_pe, kv0, kv1, pe, valid, qk_scale,
-                       PRECISION, SWAP)
+                       PRECISION)
 
 
 @triton.jit
 def _store_halves(out_rows, lse_rows, acc0, acc1, m_i, l_i, head_ok, PARTIAL: tl.constexpr,
-                  HALF: tl.constexpr, SWAP: tl.constexpr):
+                  HALF: tl.constexpr):
     """Normalised halves to ``out_rows`` [BLOCK_H] pointers (0 where no key was seen); PARTIAL
     rows also store their lse (log2 units, -inf when empty) for ``merge_splits``."""
     d = tl.arange(0, HALF)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     dt = out_rows.dtype.element_ty
-    if SWAP:  # acc halves [HALF, BLOCK_H]
-        ptrs = out_rows[None, :] + d[:, None]
-        tl.store(ptrs, (acc0 / l_safe[None, :]).to(dt), mask=head_ok[None, :])
-        tl.store(ptrs + HALF, (acc1 / l_safe[None, :]).to(dt), mask=head_ok[None, :])
-    else:
-        ptrs = out_rows[:, None] + d[None, :]
-        tl.store(ptrs, (acc0 / l_safe[:, None]).to(dt), mask=head_ok[:, None])
-        tl.store(ptrs + HALF, (acc1 / l_safe[:, None]).to(dt), mask=head_ok[:, None])
+    ptrs = out_rows[:, None] + d[None, :]
+    tl.store(ptrs, (acc0 / l_safe[:, None]).to(dt), mask=head_ok[:, None])
+    tl.store(ptrs + HALF, (acc1 / l_safe[:, None]).to(dt), mask=head_ok[:, None])
     if PARTIAL:
         tl.store(lse_rows, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=head_ok)
 
@@ -144,7 +120,7 @@ def _mla_decode_tma_kernel(q_ptr, kv_desc, pe_desc, rows_ptr, out_ptr, part_out_
                            stride_qh, stride_ot, stride_oh, stride_bt, stride_row,
                            PAGE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-                           PRECISION: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
+                           PRECISION: tl.constexpr, SPLIT: tl.constexpr,
                            INTERPRET: tl.constexpr):
     HALF: tl.constexpr = L // 2
     seq = tl.program_id(0)
@@ -155,18 +131,9 @@ def _mla_decode_tma_kernel(q_ptr, kv_desc, pe_desc, rows_ptr, out_ptr, part_out_
     dh = tl.arange(0, HALF)
     dr = tl.arange(0, R)
     q_base = q_ptr + seq.to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_H]
-    if SWAP:  # [HALF, BLOCK_H] and [R, BLOCK_H]
-        q0 = tl.load(q_base[None, :] + dh[:, None], mask=head_ok[None, :], other=0.0).to(DT)
-        q1 = tl.load(q_base[None, :] + HALF + dh[:, None], mask=head_ok[None, :], other=0.0).to(DT)
-        q_pe = tl.load(q_base[None, :] + L + dr[:, None], mask=head_ok[None, :], other=0.0).to(DT)
-        acc0 = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
-        acc1 = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
-    else:
-        q0 = tl.load(q_base[:, None] + dh[None, :], mask=head_ok[:, None], other=0.0).to(DT)
-        q1 = tl.load(q_base[:, None] + HALF + dh[None, :], mask=head_ok[:, None], other=0.0).to(DT)
-        q_pe = tl.load(q_base[:, None] + L + dr[None, :], mask=head_ok[:, None], other=0.0).to(DT)
-        acc0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    q0 = tl.load(q_base[:, None] + dh[None, :], mask=head_ok[:, None], other=0.0).to(DT)
+    q1 = tl.load(q_base[:, None] + HALF + dh[None, :], mask=head_ok[:, None], other=0.0).to(DT)
+    q_pe = tl.load(q_base[:, None] + L + dr[None, :], mask=head_ok[:, None], other=0.0).to(DT)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.cdiv(num_tiles, num_splits)
     lo = split * per_split
@@ -176,18 +143,20 @@ def _mla_decode_tma_kernel(q_ptr, kv_desc, pe_desc, rows_ptr, out_ptr, part_out_
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_H], -1e30, dtype=tl.float32)  # finite: no inf - inf
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     if INTERPRET:  # the interpreter's range() cannot take a loaded bound
         t = lo
         while t < full_hi:
             acc0, acc1, m_i, l_i = _tma_tile(
                 acc0, acc1, m_i, l_i, q0, q1, q_pe, t, bt_row, seq_len, qk_scale, kv_desc,
-                pe_desc, PAGE, BLOCK_N, L, HALF, DT, PRECISION, SWAP)
+                pe_desc, PAGE, BLOCK_N, L, HALF, DT, PRECISION)
             t += 1
     else:
         for t in range(lo, full_hi):
             acc0, acc1, m_i, l_i = _tma_tile(
                 acc0, acc1, m_i, l_i, q0, q1, q_pe, t, bt_row, seq_len, qk_scale, kv_desc,
-                pe_desc, PAGE, BLOCK_N, L, HALF, DT, PRECISION, SWAP)
+                pe_desc, PAGE, BLOCK_N, L, HALF, DT, PRECISION)
     if (lo <= num_full) & (num_full < hi):  # the tile the sequence ends in, if this split's
         k_pos = num_full * BLOCK_N + tl.arange(0, BLOCK_N)  # masked rows, never past seq_len
         valid = k_pos < seq_len
@@ -197,12 +166,12 @@ def _mla_decode_tma_kernel(q_ptr, kv_desc, pe_desc, rows_ptr, out_ptr, part_out_
         kv1 = tl.load(rows[:, None] + HALF + dh[None, :], mask=valid[:, None], other=0.0).to(DT)
         pe = tl.load(rows[:, None] + L + dr[None, :], mask=valid[:, None], other=0.0).to(DT)
         acc0, acc1, m_i, l_i = _split_tile(acc0, acc1, m_i, l_i, q0, q1, q_pe, kv0, kv1, pe,
-                                           valid, qk_scale, PRECISION, SWAP)
+                                           valid, qk_scale, PRECISION)
     if SPLIT:  # partial rows [seq, head, split], merged by triton_mla._merge_kernel
         row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
         _store_halves(part_out_ptr + row * L, part_lse_ptr + row, acc0, acc1, m_i, l_i, head_ok,
-                      True, HALF, SWAP)
+                      True, HALF)
     else:
         out_rows = out_ptr + seq.to(tl.int64) * stride_ot + heads * stride_oh
-        _store_halves(out_rows, part_lse_ptr, acc0, acc1, m_i, l_i, head_ok, False, HALF, SWAP)
+        _store_halves(out_rows, part_lse_ptr, acc0, acc1, m_i, l_i, head_ok, False, HALF)
 # fmt: on
