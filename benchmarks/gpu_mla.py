@@ -439,12 +439,13 @@ def time_indexer_prefill() -> dict:
 
 # ----------------------------------------------------------------------------- sweep
 
-SWEEP_MANY_HEADS = [MLAConfig(*c) for c in ((16, 64, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2),
-                    (32, 64, 8, 2), (64, 32, 8, 2), (64, 16, 4, 2), (64, 32, 4, 1), (64, 64, 8, 1),
-                    (64, 64, 4, 2), (64, 16, 8, 3), (32, 16, 4, 3))]  # fmt: skip
+# the last two of each: whole-page TMA tiles (dense rows in 64-row pages; sparse rows ignore it)
+SWEEP_MANY_HEADS = [MLAConfig(*c) for c in ((16, 64, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2),
+                    (64, 64, 8, 1), (64, 64, 8, 2), (64, 64, 4, 2), (64, 16, 8, 3))] + [
+                    MLAConfig(64, 64, 8, 2, tma=True), MLAConfig(64, 32, 8, 2, tma=True)]  # fmt: skip
 SWEEP_FEW_HEADS = [MLAConfig(*c) for c in ((16, 64, 4, 2), (16, 128, 4, 2), (16, 32, 4, 3),
-                   (16, 64, 8, 3), (16, 128, 8, 2), (16, 128, 4, 3), (16, 64, 4, 4), (16, 32, 4, 4),
-                   (32, 64, 4, 2))]  # fmt: skip
+                   (16, 64, 8, 3), (16, 128, 8, 2), (16, 128, 4, 3), (16, 32, 4, 4), (16, 32, 4, 6),
+                   (16, 32, 8, 4))] + [MLAConfig(16, 64, 4, 2, tma=True)]  # fmt: skip
 # the tiled kernel (the decode path before the streaming one), then the streaming kernel: the
 # pinned config, 128-key tiles, three key tiles in flight (7 stages), twice the programs, and
 # the exact fp16 dot over fp8 rows (what e4m3 straight into the tensor cores saves)

@@ -56,6 +56,9 @@ class ModelConfig:
             raise ValueError(f"check_weights_finite must be a bool, got {self.check_weights_finite!r}")
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per block, but for MLA caches on CUDA (engine/plan.default_block_size)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     # tokens per block; None: the engine's default for the model and device (engine/plan.py

@@ -261,6 +261,35 @@ def test_merge_in_kernel_leaves_counters_clean():
     counters.zero_()
 
 
+@pytest.fixture
+def splits_interleaved(monkeypatch):
+    """The interpreter runs a launch's programs one at a time, each (q block, KV head)'s splits
+    back to back (the split is the innermost grid axis), so splits of different rows never
+    interleave as they do on a GPU. This maps its n-th program to the grid with the split
+    outermost: every row's split 0 first, then every row's split 1, and so on."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    set_idx = builder.set_grid_idx
+
+    def permuted(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        n = (x * ny + y) * nz + z
+        split, rest = divmod(n, nx * ny)
+        set_idx(rest // ny, rest % ny, split)
+
+    monkeypatch.setattr(builder, "set_grid_idx", permuted)
+
+
+def test_split_decode_counters_per_row_when_splits_interleave(splits_interleaved):
+    """Each (request, KV head) counts its own splits' arrivals, whatever the launch order: the
+    decode launch walks the grid request-major (program_id(0) is not the request), and a counter
+    indexed by program_id(0) was shared by two rows, which then merged before their splits had
+    all stored (NaN from the unwritten partials, on the H200)."""
+    batch = make_batch([1] * 4, [300, 7, 129, 200], num_heads=16, num_kv_heads=8, seed=16)
+    assert_close(*run_both(batch, num_splits=4), torch.float32)
+
+
 def test_merge_rejects_unknown_mode():
     batch = make_batch([1], [20])
     with pytest.raises(ValueError, match="merge must be one of"):

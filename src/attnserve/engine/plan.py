@@ -26,7 +26,7 @@ from attnserve.attention.registry import (
     rank_backends,
     select_backend,
 )
-from attnserve.config import EngineConfig
+from attnserve.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from attnserve.kvcache.groups import (
     CacheEntry,
     KVCacheGroup,
@@ -151,7 +151,7 @@ def default_block_size(arch: ModelArch, platform: Platform) -> int:
     dense decode kernel reads a 64-key tile of one page by TMA: 1.2-1.3x the rate of gathered
     rows at 128 heads on the H200), else 16."""
     mla = any(s.kind in (LayerKind.MLA, LayerKind.SPARSE_MLA) for s in arch.layers)
-    return MLA_CUDA_BLOCK_SIZE if mla and platform.device_type == "cuda" else 16
+    return MLA_CUDA_BLOCK_SIZE if mla and platform.device_type == "cuda" else DEFAULT_BLOCK_SIZE
 
 
 def with_block_size(config: EngineConfig, arch: ModelArch, platform: Platform) -> EngineConfig:

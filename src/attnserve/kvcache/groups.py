@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from attnserve.arch import LayerKind, LayerSpec, ModelArch
-from attnserve.config import CacheConfig
+from attnserve.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from attnserve.kvcache.spec import (
     CachePolicy,
     FullAttentionSpec,
@@ -78,7 +78,9 @@ class KVCacheGroup:
 def layer_specs(spec: LayerSpec, model_dtype: str, cache: CacheConfig) -> list[tuple[str, KVCacheSpec]]:
     """The cache entries one layer owns, as (name, spec)."""
     kv_dtype = resolve_cache_dtype(cache.kv_cache_dtype, model_dtype)
-    bs = cache.block_size
+    # None: the engine resolves it per model and platform first (engine/plan.with_block_size);
+    # a direct caller without a platform gets the platform-neutral default
+    bs = DEFAULT_BLOCK_SIZE if cache.block_size is None else cache.block_size
     kind = spec.kind
     if cache.streaming_window is not None:
         if kind is not LayerKind.FULL:

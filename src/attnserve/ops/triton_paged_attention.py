@@ -412,7 +412,10 @@ def _attention_kernel(
         _store_rows(part_out_ptr + (first + split) * HEAD_V, part_lse_ptr + first + split, acc,
                     m_i, l_i, row_ok, 1.0, True, HEAD_V, HEAD_V_PAD)
         if MERGE_LAST:
-            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
+            # one counter per (q block, KV head): ``order``, not program_id(0), which in the
+            # decode launch order is not the q block (two rows would share a counter and merge
+            # before every split had stored its partials)
+            counter = counter_ptr + order * tl.num_programs(1) + kv_head
             tl.debug_barrier()  # every thread's partial rows are stored before the release
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:  # the last split of this (q block, KV head)
