@@ -134,8 +134,9 @@ def cell_key(cell: dict) -> tuple:
 
 def backend_label(cell: dict) -> str:
     """The backend, with the block size, cache dtype and routed experts of a DeepSeek/GLM cut
-    when they are not the defaults."""
-    extra = [f"block {cell['block_size']}"] if cell.get("block_size") not in (None, 16) else []
+    when they are not the defaults (block size: the engine's on CUDA, 64 for the MLA backends)."""
+    default_block = 64 if cell.get("backend", "").startswith("TRITON_MLA") else 16  # the engine's, on CUDA
+    extra = [f"block {cell['block_size']}"] if cell.get("block_size") not in (None, default_block) else []
     if cell.get("routed_experts") not in (None, DEFAULT_EXPERTS):
         extra.append(f"{cell['routed_experts']} experts")
     if cell.get("kv_cache_dtype") == "fp8":

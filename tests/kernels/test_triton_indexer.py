@@ -209,6 +209,20 @@ def test_indexer_configs_are_checked():
         run_logits(b, False, max_q, max_s, IndexerConfig(1, 16, 4, 1, stream=True))
 
 
+def test_decode_kernel_choice_on_the_gpu():
+    """GPU decode: fp8 keys always stream; bf16 keys stream from STREAM_MIN_SEQS_BF16 requests
+    (the tiled kernel was ahead at batch 1 on the H200); prefill takes the tiled kernel."""
+    from attnserve.ops.triton_indexer import STREAM_MIN_SEQS_BF16, pick_indexer_config
+
+    def pick(fp8, seqs, max_q=1):
+        return pick_indexer_config(64, max_q, torch.bfloat16, False, fp8=fp8, num_seqs=seqs).stream
+
+    assert pick(True, 1) and pick(True, 64)
+    assert not pick(False, 1) and not pick(False, STREAM_MIN_SEQS_BF16 - 1)
+    assert pick(False, STREAM_MIN_SEQS_BF16) and pick(False, None)
+    assert not pick(True, 8, max_q=16) and not pick(False, 8, max_q=16)
+
+
 def test_row_align_of_key_rows():
     """The alignment (elements) the kernels promise the compiler for key rows: 132-byte fp8
     rows 4 (not 16: the loads are 4 bytes wide), 128 bf16 one 16-byte vector, odd widths less."""
@@ -229,7 +243,7 @@ from gpu_mla import SWEEP_INDEXER
 from attnserve.ops import triton_indexer as I
 
 record(I, "_indexer_kernel", "_indexer_stream_kernel")
-B, S, PAGE = 4, 4096, 64
+B, S, PAGE = 8, 4096, 64  # 8 requests: bf16 keys stream from 8 (STREAM_MIN_SEQS_BF16)
 
 
 def launch(fp8, max_q=1, config=None, fill=False):

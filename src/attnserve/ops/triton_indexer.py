@@ -79,14 +79,20 @@ class IndexerConfig:
             raise ValueError(f"waves must be >= 1, got {self.waves}")
 
 
+STREAM_MIN_SEQS_BF16 = 8  # decode batches with fewer requests take the tiled kernel (bf16 keys)
+
+
 def pick_indexer_config(
     num_heads: int,
     max_query_len: int,
     dtype: torch.dtype = torch.bfloat16,
     interpret: bool | None = None,
+    *,
+    fp8: bool = True,
+    num_seqs: int | None = None,
 ) -> IndexerConfig:
     """Decode (one token per request): the streaming kernel, 64 keys per dot (float32: 32),
-    five stages. The block-table load and the key load it addresses are a two-level chain, over
+    five stages; bf16 keys of fewer than ``STREAM_MIN_SEQS_BF16`` requests take the tiled one. The block-table load and the key load it addresses are a two-level chain, over
     which Triton's pipeliner splits ``num_stages - 1``: five keep two key tiles in flight (three
     and four keep one). H200, 64 x 128 heads, sm_90 compile: 72 registers and 34 KB of shared
     memory (fp8 rows), 78 and 66 KB (bf16). Prefill: tokens of one request share each key tile,
@@ -99,6 +105,13 @@ def pick_indexer_config(
     if max_query_len == 1:
         if interpret:
             return IndexerConfig(1, 64, 4, 1, stream=True)
+        if not fp8 and not small and num_seqs is not None and num_seqs < STREAM_MIN_SEQS_BF16:
+            # H200 (gpu_mla.py, 2026-12-03): bf16 keys at batch 1 the tiled kernel is ahead
+            # (8K-128K: 6.0 / 7.7 / 10.9 / 18.5 us against 6.4 / 7.9 / 13.3 / 19.5), at batch 32
+            # the streaming one (32.8 / 114 / 213 / 391 against 32.5 / 107 / 199 / 377); fp8
+            # keys stream at every batch (batch 1, 128K: 54.1 -> 14.1 us). Batches of 2-31 are
+            # not measured; 8 is a guess between
+            return IndexerConfig(1, 128, 4, 3)
         return IndexerConfig(1, 32 if small else 64, 4, 5, stream=True)
     block_t = max(1, (64 if small else 128) // heads_pad)
     block_t = min(block_t, _pow2(max_query_len))
@@ -329,7 +342,8 @@ def indexer_logits(
     if keys.shape[-1] != dim or head_weights.shape != (num_tokens, heads):
         raise ValueError(f"q {tuple(q.shape)}, head_weights {tuple(head_weights.shape)} and "
                          f"keys {tuple(keys.shape)} disagree")  # fmt: skip
-    cfg = config or pick_indexer_config(heads, max_query_len, q.dtype, interpret)
+    cfg = config or pick_indexer_config(heads, max_query_len, q.dtype, interpret, fp8=fp8,
+                                        num_seqs=seq_lens.shape[0])
     if cfg.stream and max_query_len != 1:
         raise ValueError(f"the streaming indexer kernel takes decode batches, got {max_query_len=}")
     out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
