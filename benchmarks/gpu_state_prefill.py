@@ -177,6 +177,7 @@ def main() -> None:
     ok = all(r["ok"] for r in rows)
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         Path(out, "gpu_state_prefill.json").write_text(json.dumps({"smoke": smoke, "rows": rows}, indent=1))
     print(f"\n{time.perf_counter() - t0:.0f} s; checks {'all ok' if ok else 'FAILED'}")
     print(f"{'case':<16}{'dtype':<9}{'BxL':>9}{'out rel':>9}{'st rel':>9}{'ms':>8}{'twin ms':>9}{'x':>7}"

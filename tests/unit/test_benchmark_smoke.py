@@ -34,6 +34,7 @@ SCRIPTS = {
     "gpu_small_kernels": ["--smoke"],
     "gpu_sparse_offload": ["--smoke"],
     "gpu_state_decode": ["--smoke"],
+    "gpu_state_prefill": ["--smoke"],
     "gpu_serve": ["--smoke", "--rates", "inf,40", "--num-clients", "2"],
     "gpu_check": ["--device", "cpu", "--only", "llama3_gqa", "--dtypes", "float32"],
 }
