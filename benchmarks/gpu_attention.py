@@ -9,7 +9,7 @@
    ``torch.mm`` rate. Decode rows are given as fractions of the copy bandwidth, prefill rows of
    the matmul rate, each measured (``pct_*_measured``) and nominal (4.25 TB/s, 790 TFLOP/s:
    ``pct_bw``, ``pct_flops``).
-3. Decode, batch 1/16/64/256 x context 1K/4K/16K/64K (32 query / 8 KV heads, head 128, bf16,
+3. Decode, batch 1/16/64/256 x context 1K/4K/16K/32K/64K (32 query / 8 KV heads, head 128, bf16,
    block 16): bytes moved (K and V read once, q and out), GB/s, % of copy bandwidth, and the
    time of SDPA (FlashAttention backend, contiguous K/V [B, H, S, D], GQA as is) and of
    compiled FlexAttention (its decoding path) on the same shapes, as peer / ours.
@@ -26,9 +26,22 @@ not fit in memory are skipped, and so is whatever is left when the time budget r
 FlexAttention, one plain pass per timing; the cuDNN peer is missing there).
 
     python benchmarks/gpu_attention.py [--budget-s 330] [--no-peers] [--smoke]
+        [--only checks,decode,prefill] [--decode-shapes 1x32768,16x4096] [--prefill-tokens 16384]
 
-Prints a compact table last; writes ``$OUT/gpu_attention.json`` when ``OUT`` is set.
-Not a test: correctness on CPU is ``tests/kernels/test_triton_attention.py``.
+``--only`` (repeatable or a comma list; default all three) picks the parts: ``checks`` alone
+runs the checks and nothing else (no ceilings, no peers); leaving ``checks`` out times without
+them. The checks, when run, come before any timing; a failed check does not stop the timing, but
+the run exits 1 and the JSON's ``checks_ok`` is false. ``--decode-shapes`` (BATCHxCONTEXT) and
+``--prefill-tokens`` replace the default grid of their part (an error where ``--only`` leaves that
+part out). Issue #22's rows: ``--decode-shapes 1x32768,16x4096 --prefill-tokens 16384``.
+The default run is the checks, the ceilings, 20 decode and 6 prefill rows; ``--budget-s``
+(counted from the start, checks included) stops starting new shapes, so the run ends by the
+budget plus the row in flight. On the H200 (2026-12-03, ``--budget-s 70``, before the 32K
+column) the checks and the 16 decode rows fit in the budget and the prefill rows were cut at 1K;
+the full default grid has not been timed in one run.
+
+Prints a compact table last (only the parts run); writes ``$OUT/gpu_attention.json`` when ``OUT``
+is set. Not a test: correctness on CPU is ``tests/kernels/test_triton_attention.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from ceilings import describe, fractions, measure_ceilings  # noqa: E402
+from ceilings import NOMINAL_BW, fractions, measure_ceilings  # noqa: E402
+from gpu_attention_report import print_tables  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
@@ -60,12 +74,13 @@ from attnserve.ops.triton_paged_attention import pick_num_splits, unified_attent
 HEADS, KV_HEADS, HEAD, PAGE = (4, 2, 32, 16) if SMOKE else (32, 8, 128, 16)
 DTYPE = torch.float32 if SMOKE else torch.bfloat16  # the interpreter cannot do bf16 arithmetic
 DECODE_BATCHES, DECODE_CTX = (
-    ((1, 3), (96,)) if SMOKE else ((1, 16, 64, 256), (1024, 4096, 16384, 65536))
+    ((1, 3), (96,)) if SMOKE else ((1, 16, 64, 256), (1024, 4096, 16384, 32768, 65536))
 )
 PREFILL_TOKENS = (64,) if SMOKE else (1024, 2048, 4096, 8192, 16384, 32768)
 CHECK_LENS = (128, 100, 37) if SMOKE else (4096, 1000, 517)  # requests of the checks
 DECODE_PEERS = ("sdpa", "flex")
 PREFILL_PEERS = ("sdpa", "sdpa_cudnn_mha", "sdpa_flash_mha", "flex")
+KINDS = ("checks", "decode", "prefill")  # the parts --only picks
 REL_TOL = 2e-2
 L2_BUST_BYTES, MAX_SETS = 256 << 20, 32
 DEV = "cpu" if SMOKE else "cuda"
@@ -404,77 +419,98 @@ def bench_prefill(n: int, peers, ceilings: dict) -> dict | None:
     return row
 
 
-# ----------------------------------------------------------------------------- report
-
-LABELS = {"sdpa": "sdpa", "sdpa_cudnn_mha": "cudnn", "sdpa_flash_mha": "fa-mha", "flex": "flex"}
+# ----------------------------------------------------------------------------- options
 
 
-def ratio(row: dict, peer: str) -> str:
-    return f"{row[peer] / row['ours']:.2f}" if row.get(peer) and row.get("ours") else "-"
+def positive_ints(text: str) -> list[int]:
+    """``--prefill-tokens``: a comma list of positive ints."""
+    items = [v.strip() for v in text.split(",")]
+    if not all(v.isdigit() and int(v) > 0 for v in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of positive ints")
+    return [int(v) for v in items]
 
 
-def us(seconds: float | None) -> str:
-    return f"{seconds * 1e6:.1f}" if seconds else "-"
+def decode_shapes(text: str) -> list[tuple[int, int]]:
+    """``--decode-shapes``: a comma list of BATCHxCONTEXT, e.g. ``1x32768,16x4096``."""
+    shapes = []
+    for item in text.split(","):
+        batch, _, ctx = item.strip().lower().partition("x")
+        try:
+            shapes.append((positive_ints(batch)[0], positive_ints(ctx)[0]))
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected BATCHxCONTEXT, two positive ints, e.g. 16x4096"
+            ) from None
+    return shapes
 
 
-def peer_columns(row: dict | None, names: tuple) -> str:
-    """Each peer's time, then each peer's time / ours (the header when ``row`` is None)."""
-    if row is None:
-        return "".join(f" {LABELS[n] + ' us':>10}" for n in names) + "".join(
-            f" {LABELS[n] + '/o':>8}" for n in names
-        )
-    return "".join(f" {us(row.get(n)):>10}" for n in names) + "".join(
-        f" {ratio(row, n):>8}" for n in names
-    )
-
-
-def print_tables(checks: list[dict], rows: list[dict], ceilings: dict) -> None:
-    print(f"\nchecks (max|out-ref|/max|ref|, bound {REL_TOL:.0e}):")
-    print(
-        "  "
-        + "  ".join(f"{c['case']}={c['rel_err']:.1e}{'' if c['ok'] else ' FAIL'}" for c in checks)
-    )
-    print(f"\n{describe(ceilings)}")
-    print("%cp: % of the measured copy bandwidth, %BW of the nominal; %mm: % of the measured")
-    print("matmul rate, %pk of the nominal; ratio = peer time / ours (>1: we are faster)")
-    dims = f"{HEADS}/{KV_HEADS} heads, head {HEAD}, {str(DTYPE).removeprefix('torch.')}"
-    print(f"\ndecode ({dims}, block {PAGE}); peers: SDPA FlashAttention GQA, FlexAttention")
-    print(
-        f"{'B':>4} {'ctx':>6} {'spl':>3} {'ours us':>9} {'GB/s':>7} {'%cp':>5} {'%BW':>5}"
-        + peer_columns(None, DECODE_PEERS)
-    )
-    for r in (r for r in rows if r["kind"] == "decode"):
-        if "skipped" in r:
-            print(f"{r['batch']:>4} {r['ctx']:>6}  skipped: {r['skipped']}")
-            continue
-        print(
-            f"{r['batch']:>4} {r['ctx']:>6} {r['splits']:>3} {us(r['ours']):>9} "
-            f"{r['gbps']:>7.0f} {r['pct_bw_measured']:>5.1f} {r['pct_bw']:>5.1f}"
-            + peer_columns(r, DECODE_PEERS)
-        )
-    print(f"\ncausal prefill ({dims}, one sequence); peers: sdpa = SDPA FlashAttention GQA,")
-    print(f"cudnn / fa-mha = SDPA MHA (K/V expanded to {HEADS} heads) on cuDNN / FlashAttention")
-    print(
-        f"{'tokens':>7} {'ours us':>10} {'TFLOP/s':>8} {'%mm':>5} {'%pk':>5}"
-        + peer_columns(None, PREFILL_PEERS)
-    )
-    for r in (r for r in rows if r["kind"] == "prefill"):
-        if "skipped" in r:
-            print(f"{r['tokens']:>7}  skipped: {r['skipped']}")
-            continue
-        print(
-            f"{r['tokens']:>7} {us(r['ours']):>10} {r['tflops']:>8.0f} "
-            f"{r['pct_flops_measured']:>5.1f} {r['pct_flops']:>5.1f}"
-            + peer_columns(r, PREFILL_PEERS)
-        )
-
-
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options; ``only`` comes back in ``KINDS`` order, ``decode_shapes`` and ``prefill_tokens`` as
+    the shapes to time (the defaults for a part run without them, empty for a part not run)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new shapes")
     ap.add_argument("--no-peers", action="store_true", help="time our kernels only")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (interpreter)")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--only",
+        action="append",
+        metavar="PARTS",
+        help=f"parts to run, of {', '.join(KINDS)} (repeat or comma list; default all)",
+    )
+    ap.add_argument(
+        "--decode-shapes",
+        type=decode_shapes,
+        metavar="BxCTX,...",
+        help=f"decode shapes to time (default batches {DECODE_BATCHES} x contexts {DECODE_CTX})",
+    )
+    ap.add_argument(
+        "--prefill-tokens",
+        type=positive_ints,
+        metavar="N,...",
+        help=f"causal prefill lengths to time (default {PREFILL_TOKENS})",
+    )
+    args = ap.parse_args(argv)
+    only = {k.strip() for item in args.only or [",".join(KINDS)] for k in item.split(",")}
+    if only - set(KINDS):
+        ap.error(f"--only: unknown {sorted(only - set(KINDS))}; choose from {', '.join(KINDS)}")
+    args.only = [k for k in KINDS if k in only]
+    defaults = {
+        "decode_shapes": [(b, c) for b in DECODE_BATCHES for c in DECODE_CTX],
+        "prefill_tokens": list(PREFILL_TOKENS),
+    }
+    for kind, opt in (("decode", "decode_shapes"), ("prefill", "prefill_tokens")):
+        if kind not in args.only:
+            if getattr(args, opt) is not None:
+                ap.error(f"--{opt.replace('_', '-')} given, but --only leaves out {kind}")
+            setattr(args, opt, [])
+        elif getattr(args, opt) is None:
+            setattr(args, opt, defaults[opt])
+    return args
+
+
+def time_shapes(args: argparse.Namespace, ceilings: dict, start: float) -> list[dict]:
+    """The decode rows, then the prefill rows; those not started by ``args.budget_s`` seconds
+    after ``start`` are skipped."""
+    peers = None if args.no_peers else peer_fns()
+    shapes = [("decode", b, c) for b, c in args.decode_shapes]
+    shapes += [("prefill", n, None) for n in args.prefill_tokens]
+    rows = []
+    for kind, a, c in shapes:
+        if time.perf_counter() - start > args.budget_s:
+            shape = {"batch": a, "ctx": c} if kind == "decode" else {"tokens": a}
+            rows.append({"kind": kind, **shape, "skipped": "time budget"})
+            continue
+        if kind == "decode":
+            row = bench_decode(a, c, peers, ceilings)
+        else:
+            row = bench_prefill(a, peers, ceilings)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    args = parse_args()
     if not SMOKE and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --smoke)")
         return 2
@@ -485,45 +521,45 @@ def main() -> int:
             setattr(dynamo.config, knob, 64)
     start = time.perf_counter()
     torch.manual_seed(0)
-    checks = check_attention()
+    checks = check_attention() if "checks" in args.only else []
     for c in checks:
         print(
             f"check {c['case']:>16}: {c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}", flush=True
         )
-    ceilings = measure_ceilings(DEV)
-    print(json.dumps({"ceilings": ceilings}), flush=True)
-    peers = None if args.no_peers else peer_fns()
-    shapes = [("decode", b, c) for b in DECODE_BATCHES for c in DECODE_CTX]
-    shapes += [("prefill", n, None) for n in PREFILL_TOKENS]
-    rows = []
-    for kind, a, c in shapes:
-        if time.perf_counter() - start > args.budget_s:
-            rows.append({"kind": kind, "batch": a, "ctx": c, "tokens": a, "skipped": "time budget"})
-            continue
-        if kind == "decode":
-            row = bench_decode(a, c, peers, ceilings)
-        else:
-            row = bench_prefill(a, peers, ceilings)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    timed = args.decode_shapes or args.prefill_tokens
+    ceilings = measure_ceilings(DEV) if timed else None
+    if ceilings:
+        print(json.dumps({"ceilings": ceilings}), flush=True)
+    rows = time_shapes(args, ceilings, start) if timed else []
+    failed = [c["case"] for c in checks if not c["ok"]]
     result = {
         "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
+        "only": args.only,
+        "decode_shapes": args.decode_shapes,
+        "prefill_tokens": args.prefill_tokens,
         "rel_tol": REL_TOL,
-        "peak_bw": ceilings["nominal_bw"],
+        "peak_bw": NOMINAL_BW,
         "ceilings": ceilings,
         "checks": checks,
+        "checks_ok": not failed if checks else None,  # None: not run
         "rows": rows,
         "wall_s": time.perf_counter() - start,
     }
     if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
         path = os.path.join(os.environ["OUT"], "gpu_attention.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {path}")
-    print_tables(checks, rows, ceilings)
-    return 0 if all(c["ok"] for c in checks) else 1
+    dims = f"{HEADS}/{KV_HEADS} heads, head {HEAD}, {str(DTYPE).removeprefix('torch.')}"
+    peers = (DECODE_PEERS, PREFILL_PEERS)
+    kw = dict(rel_tol=REL_TOL, dims=dims, page=PAGE, heads=HEADS, peers=peers)
+    print_tables(checks, rows, ceilings, args.only, **kw)
+    if failed:
+        print(f"\nchecks FAILED: {', '.join(failed)} (bound {REL_TOL:.0e})")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -50,6 +50,60 @@ def test_benchmark_runs_at_toy_sizes(script, tmp_path):
     assert list(tmp_path.glob("*.json")), f"{script} wrote no JSON"
 
 
+def run_gpu_attention(tmp_path, args: list[str], twin_off: str | None = None) -> tuple[int, dict]:
+    """``gpu_attention.py --smoke *args``: its exit code and JSON. ``twin_off``: a feature keyword
+    whose checks compare against a twin made wrong (its output + 1), so those checks must fail."""
+    script = str(ROOT / "benchmarks" / "gpu_attention.py")
+    wrapper = (
+        "import runpy, sys\n"
+        f"sys.path[:0] = [{str(ROOT / 'src')!r}, {str(ROOT / 'benchmarks')!r}]\n"
+        "import attnserve.attention.reference as ref\n"
+        "twin = ref.paged_attention\n"
+        f"ref.paged_attention = lambda *a, **kw: twin(*a, **kw) + ({twin_off!r} in kw)\n"
+        f"sys.argv = [{script!r}, '--smoke', *{args!r}]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "TRITON_INTERPRET": "1"}  # OUT: made by it
+    proc = subprocess.run([sys.executable, "-c", wrapper], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.returncode, json.loads((tmp_path / "out" / "gpu_attention.json").read_text())
+
+
+def test_gpu_attention_prefill_only_times_one_shape_without_checks(tmp_path):
+    code, got = run_gpu_attention(tmp_path, ["--only", "prefill", "--prefill-tokens", "48"])
+    assert code == 0
+    assert (got["only"], got["checks"], got["checks_ok"]) == (["prefill"], [], None)
+    assert (got["decode_shapes"], got["prefill_tokens"]) == ([], [48])
+    assert [(r["kind"], r["tokens"]) for r in got["rows"]] == [("prefill", 48)]
+    assert got["rows"][0]["ours"] > 0 and got["ceilings"]["copy_bw"] > 0
+
+
+def test_gpu_attention_only_checks_times_nothing_and_a_failure_exits_1(tmp_path):
+    """Only the window check meets a wrong twin: it fails, the rest pass, nothing is timed (no
+    ceilings either), and the run exits 1."""
+    code, got = run_gpu_attention(tmp_path, ["--only", "checks"], twin_off="window")
+    assert code == 1 and got["checks_ok"] is False and len(got["checks"]) == 13
+    assert [c["case"] for c in got["checks"] if not c["ok"]] == ["window"]
+    assert (got["only"], got["rows"], got["ceilings"], got["prefill_tokens"]) == (["checks"], [], None, [])
+
+
+def test_gpu_attention_options_parse_and_reject_bad_input():
+    import gpu_attention as ga  # not run as a script: the H200 defaults
+
+    args = ga.parse_args(["--decode-shapes", "1x32768,16X4096", "--prefill-tokens", "16384"])
+    assert args.only == ["checks", "decode", "prefill"]
+    assert (args.decode_shapes, args.prefill_tokens) == ([(1, 32768), (16, 4096)], [16384])
+    args = ga.parse_args(["--only", "prefill", "--only", "checks"])
+    assert (args.only, args.decode_shapes, args.prefill_tokens) == (["checks", "prefill"], [], list(ga.PREFILL_TOKENS))
+    assert (1, 32768) in ga.parse_args([]).decode_shapes  # issue #22's batch-1 row is in the default
+    for bad in (["--only", "decode,bogus"], ["--only", ""], ["--decode-shapes", "1x"], ["--decode-shapes", "0x8"],
+                ["--prefill-tokens", "16,-3"], ["--only", "decode", "--prefill-tokens", "16"],
+                ["--only", "checks", "--decode-shapes", "1x16"]):
+        with pytest.raises(SystemExit):
+            ga.parse_args(bad)
+
+
 def test_ceilings_measured_on_cpu():
     got = ceilings.measure_ceilings("cpu", copy_bytes=1 << 20, gemm_n=64)
     assert {"copy_bw", "matmul_flops", "copy_us", "gemm_us", "copy_bytes", "gemm_n", "gemm_dtype",
