@@ -134,25 +134,28 @@ def test_short_prefill_rows_see_their_causal_keys():
 
 @pytest.mark.parametrize("engine", [{}, {"kv_cache_dtype": "fp8"}], ids=["fp32", "fp8"])
 def test_engine_chunks_and_prefix_hits_match_torch_mla(engine, tmp_path, expanded):
-    """Budget 40: the 45-token prompt runs a long chunk (expanded) then a short one over it;
-    the later prompts hit the prefix cache and recompute a short tail (absorbed)."""
+    """A budget of ABSORBED_MAX_QUERY + 8: the prompt 5 tokens longer runs a long chunk
+    (expanded) then a short one over it; the later prompts hit the prefix cache and recompute a
+    short tail (absorbed)."""
     from attnserve import LLM, SamplingParams
     from tests.kernels.test_triton_mla import _config
     from tests.models.parity import build_hf_model, make_prompts, run_engine
 
     overrides = {"kv_lora_rank": 128} if engine else {}
     build_hf_model("deepseek_v3", {**_config("test_parity_deepseek"), **overrides}, tmp_path)
-    base, tails = make_prompts([45], seed=3)[0], make_prompts([2, 9], seed=4)
+    budget = ABSORBED_MAX_QUERY + 8
+    base, tails = make_prompts([budget + 5], seed=3)[0], make_prompts([2, 9], seed=4)
+    hit = len(base) // 4 * 4  # the whole 4-token blocks of the base prompt
     later = [base + tails[0], base[:20] + tails[1], make_prompts([6], seed=5)[0]]
     # no prompt logprobs: they would make the later prompts skip the prefix cache
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     outs = {}
     for name in ("TORCH_MLA", "TRITON_MLA"):
         llm = LLM(str(tmp_path), dtype="float32", block_size=4, attention_backend=name,
-                  max_num_batched_tokens=40, **engine)  # fmt: skip
+                  max_num_batched_tokens=budget, **engine)  # fmt: skip
         outs[name] = run_engine(llm, [base], params) + run_engine(llm, later, params)
-    assert [o.num_cached_tokens for o in outs["TRITON_MLA"]] == [0, 44, 20, 0]
-    assert set(expanded) == {40}, "only the long chunk is expanded"
+    assert [o.num_cached_tokens for o in outs["TRITON_MLA"]] == [0, hit, 20, 0]
+    assert set(expanded) == {budget}, "only the long chunk is expanded"
     for a, b in zip(outs["TORCH_MLA"], outs["TRITON_MLA"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

@@ -38,9 +38,11 @@ __all__ = [
 # Prefills of at most this many new tokens run absorbed. Per key (DeepSeek-V3: H 128, L 512,
 # R 64, d_nope 128, d_v 128) the absorbed form costs each query 2*H*(L + R + L) = 278K FLOPs;
 # the expanded form first expands the key once per request, 2*L*H*(d_nope + d_v) = 33.5 MFLOP.
-# At equal speed absorbed wins up to ~120 queries; the absorbed kernel runs at ~160 TFLOP/s
-# against ~300-600 for cuBLAS/SDPA on the H200, which moves the break-even to ~32-64.
-ABSORBED_MAX_QUERY = 32
+# At equal speed absorbed wins up to ~120 queries; the absorbed kernel runs at ~270 TFLOP/s
+# (TMA tiles, 2026-12-03) against ~300-600 for cuBLAS/SDPA on the H200, which moves the
+# break-even to ~55-110. 64 is also the MLA block on CUDA, so the block a prefix hit recomputes
+# (1-64 tokens) always runs absorbed, without expanding the whole context.
+ABSORBED_MAX_QUERY = 64
 
 
 @dataclass(slots=True)
