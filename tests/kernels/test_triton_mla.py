@@ -151,15 +151,20 @@ def test_mla_decode_head_blocks_and_pages(page, block_n):
 
 
 def test_many_head_configs_pipeline_dense_bf16_only():
-    """128 heads on the GPU: dense bf16 decode pipelines two 64-key tiles (no register spills on
-    the H200); fp8 rows and sparse MLA keep one stage. The interpreter's config never changes."""
+    """128 heads on the GPU: dense bf16 decode pipelines two 64-key tiles read by TMA (no register
+    spills on the H200); fp8 rows and sparse MLA keep one stage and gathered rows, as do 16
+    heads. The interpreter's config never changes."""
     from attnserve.ops.triton_mla import pick_mla_config
 
     dense = pick_mla_config(128, torch.bfloat16, interpret=False)
     assert (dense.block_h, dense.block_n, dense.num_warps, dense.num_stages) == (64, 64, 8, 2)
-    assert pick_mla_config(128, torch.bfloat16, interpret=False, fp8=True).num_stages == 1
-    assert pick_mla_config(128, torch.bfloat16, interpret=False, sparse=True).num_stages == 1
+    assert dense.tma, "dense bf16 rows in 64-row pages: whole-page TMA tiles"
+    fp8 = pick_mla_config(128, torch.bfloat16, interpret=False, fp8=True)
+    sparse = pick_mla_config(128, torch.bfloat16, interpret=False, sparse=True)
+    assert fp8.num_stages == sparse.num_stages == 1 and not fp8.tma and not sparse.tma
+    assert not pick_mla_config(16, torch.bfloat16, interpret=False).tma  # 16 heads: gathered rows
     interp = pick_mla_config(128, torch.bfloat16, interpret=True)
+    assert not interp.tma
     assert interp == pick_mla_config(128, torch.bfloat16, interpret=True, sparse=True)
 
 
