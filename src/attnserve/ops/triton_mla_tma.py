@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["tma_fits", "tma_descriptors", "_mla_decode_tma_kernel"]
+from attnserve.ops.triton_mla import softmax_step
+
+__all__ = ["mla_decode_tma_kernel", "tma_descriptors", "tma_fits"]
 
 
 def _is_pow2(n: int) -> bool:
@@ -72,11 +74,7 @@ def _split_tile(acc0, acc1, m_i, l_i, q0, q1, q_pe, kv0, kv1, pe, valid, qk_scal
     s = tl.dot(q0, tl.trans(kv0), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
     s = tl.dot(q1, tl.trans(kv1), s, input_precision=PRECISION)
     s = tl.dot(q_pe, tl.trans(pe), s, input_precision=PRECISION)
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, m_new, l_i, alpha = softmax_step(s, m_i, l_i, valid, qk_scale)
     p = p.to(kv0.dtype)
     acc0 = tl.dot(p, kv0, acc0 * alpha[:, None], input_precision=PRECISION)
     acc1 = tl.dot(p, kv1, acc1 * alpha[:, None], input_precision=PRECISION)
@@ -115,7 +113,7 @@ def _store_halves(out_rows, lse_rows, acc0, acc1, m_i, l_i, head_ok, PARTIAL: tl
 
 @triton.jit(do_not_specialize=("num_splits", "stride_bt"),  # per step: no variant per class
             do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr"))
-def _mla_decode_tma_kernel(q_ptr, kv_desc, pe_desc, rows_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+def mla_decode_tma_kernel(q_ptr, kv_desc, pe_desc, rows_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                            bt_ptr, seq_lens_ptr, qk_scale, num_heads, num_splits, stride_qt,
                            stride_qh, stride_ot, stride_oh, stride_bt, stride_row,
                            PAGE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
