@@ -30,6 +30,8 @@ import triton.language as tl
 
 from attnserve import env
 from attnserve.kvcache.fp8 import FP8_TILE, mla_fp8_views
+from attnserve.ops.triton_mla_tma import mla_decode_tma_kernel, tma_descriptors, tma_fits
+from attnserve.ops.triton_softmax import softmax_step
 
 __all__ = [
     "LOG2E",
@@ -46,7 +48,6 @@ __all__ = [
     "pick_mla_config",
     "pick_mla_splits",
     "prepare_latent_launch",
-    "softmax_step",
     "store_latent_rows",
 ]
 
@@ -225,17 +226,6 @@ def load_latent_rows(kv_ptr, pe_ptr, sc_ptr, blk, off, valid, s_kvb, s_kvs, s_pe
             kv = kv.to(tl.float32) * sc
         pe = pe.to(tl.float32)  # bf16 rope: through fp32, as the interpreter needs
     return kv.to(DT), pe.to(DT)
-
-
-@triton.jit
-def softmax_step(s, m_i, l_i, valid, qk_scale):
-    """Raw scores [BLOCK_H, BLOCK_N] of one key tile (``valid`` keys) -> (P, new running max,
-    new running sum, the old accumulator's rescale), in log2 units (qk_scale includes log2(e))."""
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, m_new, l_i * alpha + tl.sum(p, 1), alpha
 
 
 @triton.jit
@@ -471,23 +461,20 @@ def mla_decode(
         return launch.out
     o = launch.out
     cfg = launch.config
-    if cfg.tma and _has_tma(q.device):
-        from attnserve.ops import triton_mla_tma as tma  # it imports this module's jit helpers
-
-        if tma.tma_fits(latent_cache, kv_lora_rank, cfg.block_n):
-            meta = {k: launch.meta[k] for k in ("PAGE", "L", "R", "BLOCK_H", "BLOCK_N", "DT",
-                                                "PRECISION", "SPLIT", "INTERPRET", "num_warps",
-                                                "num_stages")}  # fmt: skip
-            rows = latent_cache.view(-1, latent_cache.shape[-1])
-            # fmt: off
-            tma.mla_decode_tma_kernel[launch.grid](
-                q, *tma.tma_descriptors(latent_cache, kv_lora_rank, cfg.block_n), rows, o,
-                launch.part_out, launch.part_lse, block_table, seq_lens, scale * LOG2E, q.shape[1],
-                launch.num_splits, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-                block_table.stride(0), rows.stride(0), **meta,
-            )
-            # fmt: on
-            return launch.finish()
+    if cfg.tma and _has_tma(q.device) and tma_fits(latent_cache, kv_lora_rank, cfg.block_n):
+        meta = {k: launch.meta[k] for k in ("PAGE", "L", "R", "BLOCK_H", "BLOCK_N", "DT",
+                                            "PRECISION", "SPLIT", "INTERPRET", "num_warps",
+                                            "num_stages")}  # fmt: skip
+        rows = latent_cache.view(-1, latent_cache.shape[-1])
+        # fmt: off
+        mla_decode_tma_kernel[launch.grid](
+            q, *tma_descriptors(latent_cache, kv_lora_rank, cfg.block_n), rows, o,
+            launch.part_out, launch.part_lse, block_table, seq_lens, scale * LOG2E, q.shape[1],
+            launch.num_splits, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+            block_table.stride(0), rows.stride(0), **meta,
+        )
+        # fmt: on
+        return launch.finish()
     # fmt: off
     _mla_decode_kernel[launch.grid](
         q, *launch.cache_args[:3], o, launch.part_out, launch.part_lse, block_table, seq_lens,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from attnserve.ops.triton_mla import softmax_step
+from attnserve.ops.triton_softmax import softmax_step
 
 __all__ = ["mla_decode_tma_kernel", "tma_descriptors", "tma_fits"]
 
