@@ -5,7 +5,8 @@ body runs in a fresh interpreter without ``TRITON_INTERPRET``, the recorded laun
 configs, constexprs, dtypes) are compiled down to a cubin, and each prints one line
 ``compiled {json}``. That catches what the interpreter cannot: typing, layouts, shared memory;
 with ``ptxas=True`` also the registers and spills (the bundled ptxas on the PTX, as the driver
-would load it), the pipeliner's async copies (TTGIR) and the wgmma forms (PTX).
+would load it), the pipeliner's async copies (TTGIR), the wgmma forms, their waits and the TMA
+loads (PTX). Gluon kernels (``triton.experimental.gluon``) compile from their own source class.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ try:
     from triton.runtime.jit import mangle_type
 except ImportError as exc:
     print(exc); sys.exit(77)
+try:
+    from triton.experimental.gluon._runtime import GluonASTSource
+except ImportError:  # a Triton without Gluon: only its own kernels compile
+    GluonASTSource = None
 
 calls = []
 
@@ -63,7 +68,9 @@ for kernel, args, kwargs in calls:
             isinstance(value, int) and value % 16 == 0)
         if aligned:  # what the launcher would specialise on for such values
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(kernel, signature, {(names.index(k),): v for k, v in consts.items()}, attrs)
+    gluon = getattr(kernel, "is_gluon", lambda: False)()
+    source = GluonASTSource if gluon else ASTSource  # Gluon kernels skip TTIR
+    src = source(kernel, signature, {(names.index(k),): v for k, v in consts.items()}, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     info = {"kernel": kernel.__name__, "shared": compiled.metadata.shared}
     if PTXAS:
@@ -78,6 +85,8 @@ for kernel, args, kwargs in calls:
         info["spill"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill", report))
         info["async_copies"] = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")
         info["wgmma"] = sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx)))
+        info["wgmma_waits"] = sorted(int(n) for n in re.findall(r"wgmma\.wait_group\S* (\d+)", ptx))
+        info["tma_loads"] = ptx.count("cp.async.bulk.tensor")
     print("compiled", json.dumps(info), flush=True)
 """
 
@@ -88,7 +97,8 @@ def compile_for_sm90(body: str, ptxas: bool = False) -> list[dict]:
     Returns:
         One dict per compiled launch, in launch order: ``kernel``, ``shared`` (bytes) and, with
         ``ptxas``, ``regs``, ``spill`` (bytes stored and loaded), ``async_copies`` (in the
-        TTGIR) and ``wgmma`` (the distinct instructions of the PTX).
+        TTGIR), ``wgmma`` (the distinct instructions of the PTX), ``wgmma_waits`` (the pending
+        counts of its ``wgmma.wait_group``s, sorted) and ``tma_loads`` (its TMA load sites).
     """
     # Triton's cache is keyed by the kernel source, so a cached compile is still a valid check.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

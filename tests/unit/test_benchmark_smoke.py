@@ -29,6 +29,7 @@ SCRIPTS = {
     "gpu_hybrid_prefix": ["--smoke"],
     "gpu_mechanisms": ["--smoke"],
     "gpu_mla": ["--smoke"],
+    "gpu_mla_gluon": ["--smoke"],
     "gpu_moe": ["--smoke"],
     "gpu_offload": ["--smoke"],
     "gpu_small_kernels": ["--smoke"],
