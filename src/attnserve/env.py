@@ -18,6 +18,7 @@ __all__ = [
     "force_platform",
     "cpu_threads",
     "cpu_decode_kernel",
+    "gluon_mla",
     "disable_nccl_multicast",
     "hf_hub_offline",
     "hf_hub_cache",
@@ -31,6 +32,12 @@ def _flag(name: str) -> bool:
 def mla_disabled() -> bool:
     """``ATTNSERVE_MLA_DISABLE=1``: run MLA models with an expanded K/V cache."""
     return _flag("ATTNSERVE_MLA_DISABLE")
+
+
+def gluon_mla() -> bool:
+    """``ATTNSERVE_GLUON_MLA=0``: dense MLA decode at 64+ heads keeps the Triton TMA kernel on
+    Hopper instead of the Gluon one (``ops/gluon_mla.py``), for A/B runs."""
+    return os.environ.get("ATTNSERVE_GLUON_MLA", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def small_m_gemv() -> bool:

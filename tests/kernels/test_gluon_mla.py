@@ -17,7 +17,12 @@ import torch
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
 from attnserve.attention.reference_mla import sparse_mla_attention, write_latent  # noqa: E402
-from attnserve.ops.gluon_mla import check_gluon_inputs, mla_decode_gluon  # noqa: E402
+from attnserve.ops.gluon_mla import (  # noqa: E402
+    check_gluon_inputs,
+    gluon_takes,
+    in_gluon_class,
+    mla_decode_gluon,
+)
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 SCALE = 0.1352
@@ -59,6 +64,37 @@ def test_entry_point_checks_before_launching():
     with pytest.raises(ValueError, match="Hopper"):
         mla_decode_gluon(d["q"], d["latent_cache"], d["block_table"], d["seq_lens"],
                          kv_lora_rank=512, scale=SCALE, max_seq_len=64)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change,takes",
+    [
+        ({}, True),
+        (dict(kv_lora_rank=256), False),
+        (dict(q=torch.zeros(2, 96, 576, dtype=torch.bfloat16)), False),
+        (dict(q=torch.zeros(2, 16, 576, dtype=torch.bfloat16)), False),  # 16 heads: Triton
+        (dict(q=torch.zeros(2, 128, 576, dtype=torch.float16)), False),
+        (dict(latent_cache=torch.zeros(4, 16, 576, dtype=torch.bfloat16)), False),  # page 16
+        (dict(latent_cache=torch.zeros(4, 64, 656, dtype=torch.uint8)), False),  # fp8 rows
+        (dict(q=torch.zeros(2, 576, 128, dtype=torch.bfloat16).transpose(1, 2)), False),
+    ],
+)
+def test_the_class_the_backend_sends_here(change, takes):
+    d = _inputs(**change)
+    assert in_gluon_class(d["q"], d["latent_cache"], d["kv_lora_rank"]) is takes
+    # on CPU (or with ATTNSERVE_GLUON_MLA=0 on a GPU) nothing goes to the Gluon kernel
+    assert gluon_takes(d["q"], d["latent_cache"], d["kv_lora_rank"]) is False
+
+
+def test_env_switch_turns_the_gluon_path_off(monkeypatch):
+    from attnserve import env
+
+    assert env.gluon_mla()
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv("ATTNSERVE_GLUON_MLA", off)
+        assert not env.gluon_mla()
+    monkeypatch.setenv("ATTNSERVE_GLUON_MLA", "1")
+    assert env.gluon_mla()
 
 
 # The kernel's launches (unsplit: bf16 rows out; split: fp32 partials + the merge), recorded on

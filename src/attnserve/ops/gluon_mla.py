@@ -35,6 +35,8 @@ numbers come from ``benchmarks/gpu_mla_gluon.py`` on a Hopper GPU. The PyTorch t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -47,9 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from attnserve import env
 from attnserve.ops.triton_mla import LOG2E, MLAConfig, prepare_latent_launch
 
-__all__ = ["KV_LORA_RANK", "PAGE", "ROPE", "check_gluon_inputs", "mla_decode_gluon"]
+__all__ = ["KV_LORA_RANK", "PAGE", "ROPE", "check_gluon_inputs", "gluon_takes", "in_gluon_class",
+           "mla_decode_gluon"]
 
 KV_LORA_RANK, ROPE, PAGE, HEADS_PER_PROGRAM = 512, 64, 64, 64
 # what prepare_latent_launch sizes the partials and the default splits by: 64 heads a program,
@@ -309,6 +313,42 @@ def check_gluon_inputs(
         raise ValueError(f"inputs on several devices: {sorted(map(str, devices))}")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError(f"mla_decode_gluon runs on Hopper (sm_90) GPUs, not {q.device}")
+
+
+@functools.lru_cache(maxsize=16)
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def in_gluon_class(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """Shapes, dtypes and layout the kernel takes (what ``check_gluon_inputs`` checks of q and
+    the cache, as a bool): bf16, rank 512 + rope 64, 64-row pages, heads a multiple of 64."""
+    return (
+        kv_lora_rank == KV_LORA_RANK
+        and q.dim() == 3
+        and q.shape[1] > 0
+        and q.shape[1] % HEADS_PER_PROGRAM == 0
+        and q.shape[2] == KV_LORA_RANK + ROPE
+        and q.shape[0] <= _MAX_GRID_Y
+        and q.stride(-1) == 1
+        and q.dtype == torch.bfloat16
+        and latent_cache.dtype == torch.bfloat16
+        and latent_cache.dim() == 3
+        and tuple(latent_cache.shape[1:]) == (PAGE, KV_LORA_RANK + ROPE)
+        and latent_cache.is_contiguous()
+        and latent_cache.data_ptr() % 16 == 0
+    )
+
+
+def gluon_takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """Whether a dense decode goes to this kernel: inputs ``in_gluon_class`` on a Hopper GPU,
+    and ``ATTNSERVE_GLUON_MLA`` not 0. Host-side only: no sync."""
+    return (
+        q.is_cuda
+        and env.gluon_mla()
+        and in_gluon_class(q, latent_cache, kv_lora_rank)
+        and _is_hopper(q.device)
+    )
 
 
 def _descriptors(latent_cache: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:

@@ -8,7 +8,9 @@ recomputed after a prefix-cache hit, a short prompt) run in the absorbed ("MQA")
 launch: each of their query rows becomes ``[W_UK^T q_nope ; q_pe]`` here, and
 ``ops/triton_mla.mla_decode`` attends it over its request's raw latent rows as a decode row
 that sees its causal key count (split-KV on long contexts), after which ``W_UV`` maps ``u`` to
-per-head values. Longer prefills keep TORCH_MLA's expanded PyTorch path, one request at a time.
+per-head values. On a Hopper GPU the DeepSeek class (bf16, 64+ heads, rank 512, 64-row pages)
+goes to the Gluon kernel instead (``ops/gluon_mla``, ``gluon_takes``; ``ATTNSERVE_GLUON_MLA=0``
+keeps Triton). Longer prefills keep TORCH_MLA's expanded PyTorch path, one request at a time.
 The per-row metadata is built once per step in ``build_metadata`` (device tensors plus host
 bounds: no sync in ``forward``); a decode-only batch builds only slices of the common tensors,
 so CUDA graphs capture it. Not here: the kernels (``ops/triton_mla.py``), sparse MLA
@@ -24,6 +26,7 @@ import torch
 from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_mla import attend_expanded, read_latent, write_latent_rows
 from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.ops.gluon_mla import gluon_takes, mla_decode_gluon
 from attnserve.ops.triton_mla import mla_decode
 from attnserve.platforms import to_device
 
@@ -38,11 +41,11 @@ __all__ = [
 # Prefills of at most this many new tokens run absorbed. Per key (DeepSeek-V3: H 128, L 512,
 # R 64, d_nope 128, d_v 128) the absorbed form costs each query 2*H*(L + R + L) = 278K FLOPs;
 # the expanded form first expands the key once per request, 2*L*H*(d_nope + d_v) = 33.5 MFLOP.
-# At equal speed absorbed wins up to ~120 queries; the absorbed kernel runs at ~270 TFLOP/s
-# (TMA tiles, 2026-12-03) against ~300-600 for cuBLAS/SDPA on the H200, which moves the
-# break-even to ~55-110. 64 is also the MLA block on CUDA, so the block a prefix hit recomputes
-# (1-64 tokens) always runs absorbed, without expanding the whole context.
-ABSORBED_MAX_QUERY = 64
+# Measured on the H200 (2026-12-03, devruns-style timing of this backend's two paths at 8K and
+# 32K cached tokens): at 128 new tokens absorbed takes 0.67 / 2.36 ms with the Gluon kernel
+# and 1.03 / 3.96 with the Triton one, expanded 1.57 / 6.09; at 256 Gluon still wins 1.4x but
+# Triton loses 0.9x. 128 wins on both kernels.
+ABSORBED_MAX_QUERY = 128
 
 
 @dataclass(slots=True)
@@ -134,8 +137,10 @@ class TritonMLABackend(AttentionBackend):
         n, rows = metadata.num_absorbed, metadata.absorbed_rows
         if n:
             q_rows = q[:n] if rows is None else q.index_select(0, rows)  # [N, H, d_nope + R]
-            u = mla_decode(
-                absorb_query(q_rows, w_kv_b, d_nope),
+            q_abs = absorb_query(q_rows, w_kv_b, d_nope)  # [N, H, L + R]
+            decode = mla_decode_gluon if gluon_takes(q_abs, cache, rank) else mla_decode
+            u = decode(
+                q_abs,
                 cache,
                 metadata.block_table,
                 metadata.seq_lens,
