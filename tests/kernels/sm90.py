@@ -5,8 +5,9 @@ body runs in a fresh interpreter without ``TRITON_INTERPRET``, the recorded laun
 configs, constexprs, dtypes) are compiled down to a cubin, and each prints one line
 ``compiled {json}``. That catches what the interpreter cannot: typing, layouts, shared memory;
 with ``ptxas=True`` also the registers and spills (the bundled ptxas on the PTX, as the driver
-would load it), the pipeliner's async copies (TTGIR), the wgmma forms, their waits and the TMA
-loads (PTX). Gluon kernels (``triton.experimental.gluon``) compile from their own source class.
+would load it), the pipeliner's async copies (TTGIR), the wgmma forms, their waits, the TMA
+loads and the cp.async sizes (PTX). Gluon kernels (``triton.experimental.gluon``) compile from
+their own source class.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ for kernel, args, kwargs in calls:
         info["wgmma"] = sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx)))
         info["wgmma_waits"] = sorted(int(n) for n in re.findall(r"wgmma\.wait_group\S* (\d+)", ptx))
         info["tma_loads"] = ptx.count("cp.async.bulk.tensor")
+        copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx)
+        info["cp_async_bytes"] = sorted({int(n, 0) for n in copies})
     print("compiled", json.dumps(info), flush=True)
 """
 
@@ -98,7 +101,8 @@ def compile_for_sm90(body: str, ptxas: bool = False) -> list[dict]:
         One dict per compiled launch, in launch order: ``kernel``, ``shared`` (bytes) and, with
         ``ptxas``, ``regs``, ``spill`` (bytes stored and loaded), ``async_copies`` (in the
         TTGIR), ``wgmma`` (the distinct instructions of the PTX), ``wgmma_waits`` (the pending
-        counts of its ``wgmma.wait_group``s, sorted) and ``tma_loads`` (its TMA load sites).
+        counts of its ``wgmma.wait_group``s, sorted), ``tma_loads`` (its TMA load sites) and
+        ``cp_async_bytes`` (the distinct sizes of its non-bulk ``cp.async`` copies).
     """
     # Triton's cache is keyed by the kernel source, so a cached compile is still a valid check.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
