@@ -145,10 +145,17 @@ def print_table(checks: list[dict], rows: list[dict]) -> None:
     for c in checks:
         print(f"  {c['case']:>20}: {fmt(c['rel_err'], '.2e')} {'ok' if c['ok'] else 'FAIL'} "
               f"{c.get('note', '')}")  # fmt: skip
-    print(f"\ndense MLA decode, {rows[0]['heads'] if rows else '-'} heads, page 64, bf16; "
-          f"Triton {TRITON}")  # fmt: skip
+    print_timing(rows, f"dense MLA decode, {rows[0]['heads'] if rows else '-'} heads, page 64, "
+                       f"bf16; Triton {TRITON}")  # fmt: skip
+
+
+def print_timing(rows: list[dict], title: str, extra: tuple | None = None) -> None:
+    """The timing table, one line a (batch, context); ``extra``: (header, fn(row) -> str) of a
+    last column."""
+    head, cell = extra or ("", lambda r: "")
+    print(f"\n{title}")
     print(f"{'B':>4} {'ctx':>6} {'triton us':>10} {'TFLOP/s':>8} {'gluon us':>10} {'TFLOP/s':>8} "
-          f"{'speedup':>7} {'rel/tri':>8} {'rel/twin':>8} {'tri/twin':>8}")  # fmt: skip
+          f"{'speedup':>7} {'rel/tri':>8} {'rel/twin':>8} {'tri/twin':>8} {head}".rstrip())  # fmt: skip
     for r in rows:
         if "skipped" in r:
             print(f"{r['batch']:>4} {r['ctx']:>6}  skipped: {r['skipped']}")
@@ -157,7 +164,7 @@ def print_table(checks: list[dict], rows: list[dict]) -> None:
               f"{fmt(r['triton_tflops']):>8} {fmt(r.get('gluon_us')):>10} "
               f"{fmt(r.get('gluon_tflops')):>8} {fmt(r.get('speedup'), '.2f'):>7} "
               f"{fmt(r.get('rel_vs_triton'), '.1e'):>8} {fmt(r.get('rel_vs_twin'), '.1e'):>8} "
-              f"{fmt(r.get('triton_rel_vs_twin'), '.1e'):>8}")  # fmt: skip
+              f"{fmt(r.get('triton_rel_vs_twin'), '.1e'):>8} {cell(r)}".rstrip())  # fmt: skip
     if rows and "gluon" in rows[0]:
         print(f"  ({rows[0]['gluon']})")
 

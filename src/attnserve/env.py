@@ -35,8 +35,9 @@ def mla_disabled() -> bool:
 
 
 def gluon_mla() -> bool:
-    """``ATTNSERVE_GLUON_MLA=0``: dense MLA decode at 64+ heads keeps the Triton TMA kernel on
-    Hopper instead of the Gluon one (``ops/gluon_mla.py``), for A/B runs."""
+    """``ATTNSERVE_GLUON_MLA=0``: MLA at 64+ heads keeps the Triton kernels on Hopper instead of
+    the Gluon ones (dense decode ``ops/gluon_mla.py``, sparse ``ops/gluon_mla_sparse.py``), for
+    A/B runs."""
     return os.environ.get("ATTNSERVE_GLUON_MLA", "").strip().lower() not in ("0", "false", "no", "off")
 
 

@@ -30,6 +30,7 @@ SCRIPTS = {
     "gpu_mechanisms": ["--smoke"],
     "gpu_mla": ["--smoke"],
     "gpu_mla_gluon": ["--smoke"],
+    "gpu_mla_sparse_gluon": ["--smoke"],
     "gpu_moe": ["--smoke"],
     "gpu_offload": ["--smoke"],
     "gpu_small_kernels": ["--smoke"],

@@ -27,7 +27,9 @@ stale data or NaN reaches P @ V) and their scores are -inf. Per tile t a program
    accumulators, stores P; then looks up the block table for the indices of tile t + 2.
 
 So the gather of a tile is in flight for about one tile of compute, and neither the index load
-nor the block-table load it depends on stalls a copy's issue. Shared memory: Q 72 KB, two
+nor the block-table load it depends on stalls a copy's issue. Before tile 0, the gathers of
+tiles 0 and 1 are issued first and Q (72 KB, plain loads) is read while they are in flight; a
+split with no tile reads nothing. Shared memory: Q 72 KB, two
 stages of 72 KB, P 8 KB (a third stage would need 296 KB; 227 KB is the limit).
 
 Not here: fp8 rows (656 bytes, on Triton), other ranks, fewer than 64 heads. No interpreter
@@ -64,6 +66,9 @@ __all__ = ["check_sparse_gluon_inputs", "in_sparse_gluon_class", "sparse_gluon_t
 
 TILE = gl.constexpr(64)  # selected rows a key tile (a constexpr: the kernels read it)
 _MAX_GRID_Y = 65535  # query rows are the grid's second dimension
+# 128-byte-swizzled shared tiles as the wgmma reads them: value halves [64, 256], rope and P [64, 64]
+_KV_SMEM = gl.NVMMASharedLayout.get_default_for([TILE.value, KV_LORA_RANK // 2], gl.bfloat16)
+_PE_SMEM = gl.NVMMASharedLayout.get_default_for([TILE.value, ROPE], gl.bfloat16)
 
 
 # Kernels keep their dense argument lists: one argument per line would triple their length.
@@ -159,30 +164,30 @@ def _sparse_mla_gluon_kernel(q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_p
     kv1_bufs = gl.allocate_shared_memory(DT, [2, TILE, HALF], KV_SMEM)
     pe_bufs = gl.allocate_shared_memory(DT, [2, TILE, R], PE_SMEM)
     p_smem = gl.allocate_shared_memory(DT, [ROWS, TILE], PE_SMEM)
-    _load_q(q_ptr, q0_smem, q1_smem, qpe_smem, row, head0, stride_qt, stride_qh, LD_LAYOUT)
-    fence_async_shared()
-    gl.thread_barrier()
 
     acc0 = gl.zeros([ROWS, HALF], gl.float32, O_LAYOUT)
     acc1 = gl.zeros([ROWS, HALF], gl.float32, O_LAYOUT)
     m_i = gl.full([ROWS], -1e30, gl.float32, gl.SliceLayout(1, S_LAYOUT))  # finite: no inf - inf
     l_part = gl.zeros([ROWS, TILE], gl.float32, S_LAYOUT)
     if n > 0:
-        slots = _tile_slots(bt_row, _tile_positions(idx_row, lo, end, seq_len, ROW_SLICE),
-                            PAGE_SIZE)
-        _gather_tile(cache_ptr, slots, kv0_bufs.index(0), kv1_bufs.index(0), pe_bufs.index(0),
+        # the index and block-table loads of tiles 0 and 1 first, then both gathers, then Q
+        # by plain loads while the gathers are in flight
+        pos0 = _tile_positions(idx_row, lo, end, seq_len, ROW_SLICE)
+        pos1 = _tile_positions(idx_row, lo + 1, end, seq_len, ROW_SLICE)
+        slots0 = _tile_slots(bt_row, pos0, PAGE_SIZE)
+        slots = _tile_slots(bt_row, pos1, PAGE_SIZE)
+        _gather_tile(cache_ptr, slots0, kv0_bufs.index(0), kv1_bufs.index(0), pe_bufs.index(0),
                      LD_LAYOUT)
         async_copy.commit_group()
-        slots = _tile_slots(bt_row, _tile_positions(idx_row, lo + 1, end, seq_len, ROW_SLICE),
-                            PAGE_SIZE)
         if n > 1:
             _gather_tile(cache_ptr, slots, kv0_bufs.index(1), kv1_bufs.index(1),
                          pe_bufs.index(1), LD_LAYOUT)
         async_copy.commit_group()
         pos_next = _tile_positions(idx_row, lo + 2, end, seq_len, ROW_SLICE)
         pos_s = _tile_positions(idx_row, lo, end, seq_len, KEY_SLICE)
+        _load_q(q_ptr, q0_smem, q1_smem, qpe_smem, row, head0, stride_qt, stride_qh, LD_LAYOUT)
         async_copy.wait_group(1)  # tile 0 (tile 1 may stay in flight)
-        fence_async_shared()
+        fence_async_shared()  # Q's stores and tile 0's copies, before the wgmma reads them
         gl.thread_barrier()
         s = _issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(0), kv1_bufs.index(0),
                           pe_bufs.index(0), S_LAYOUT)
@@ -311,15 +316,13 @@ def _launch(q, latent_cache, block_table, seq_lens, topk_indices, token_req, sca
         return launch.out.zero_()
     rows, head_blocks, splits = launch.grid
     o = launch.out
-    half = KV_LORA_RANK // 2
     # fmt: off
     _sparse_mla_gluon_kernel[(head_blocks, rows, splits)](
         q, latent_cache, o, launch.part_out, launch.part_lse, block_table, seq_lens, topk_indices,
         token_req, scale * LOG2E, q.shape[1], launch.num_splits, num_idx, q.stride(0),
         q.stride(1), o.stride(0), o.stride(1), block_table.stride(0), topk_indices.stride(0),
         PAGE_SIZE=latent_cache.shape[1],
-        KV_SMEM=gl.NVMMASharedLayout.get_default_for([TILE.value, half], gl.bfloat16),
-        PE_SMEM=gl.NVMMASharedLayout.get_default_for([TILE.value, ROPE], gl.bfloat16),
+        KV_SMEM=_KV_SMEM, PE_SMEM=_PE_SMEM,
         SPLIT=launch.num_splits > 1, num_warps=8,
     )
     # fmt: on
