@@ -29,8 +29,8 @@ stale data or NaN reaches P @ V) and their scores are -inf. Per tile t a program
 So the gather of a tile is in flight for about one tile of compute, and neither the index load
 nor the block-table load it depends on stalls a copy's issue. Before tile 0, the gathers of
 tiles 0 and 1 are issued first and Q (72 KB, plain loads) is read while they are in flight; a
-split with no tile reads nothing. Shared memory: Q 72 KB, two
-stages of 72 KB, P 8 KB (a third stage would need 296 KB; 227 KB is the limit).
+split with no tile reads nothing. Shared memory: Q 72 KB, two stages of 72 KB, P 8 KB (a
+third stage would need 296 KB; 227 KB is the limit).
 
 Not here: fp8 rows (656 bytes, on Triton), other ranks, fewer than 64 heads. No interpreter
 runs Gluon: CPU tests compile it for sm_90; ``benchmarks/gpu_mla_sparse_gluon.py`` checks and
