@@ -6,16 +6,21 @@ bf16 or fp16 q and caches, head size 128 for K and V, 1..8 query heads per KV he
 multiple of 8 rows, contiguous caches. Requests may have cached context before their new tokens
 (prefix hits, chunked prefill): those keys are visible to every query of the chunk.
 
-A program (8 warps: two warp groups, ``warps_per_cta [8, 1]``) owns 128 query rows, token-major
-as in the Triton kernel: ``128 / group_pad`` tokens of one request x the padded query heads of one
-KV head, so a K/V tile serves the whole head group. Warp group 0 takes rows 0-63, group 1 rows
-64-127; every MMA is M = 64 per warp group. Q goes to shared memory once, as two 64-column halves.
-Key tiles of ``block_n`` keys come by TMA into one of ``stages`` shared-memory stages, each with
-its mbarrier: the caches are seen as ``[num_blocks * page, kv_heads * 128]`` rows, and a tile is
-``block_n / box`` boxes of ``[box, 64]`` (``box = gcd(page, block_n)``) per 64-column half of K
-and of V, each box at its page's row (from the block table; the null block 0 past the sequence).
-64-column halves are the 128-byte swizzle width, so a box is whole swizzle atoms of the stage's
-``[block_n, 64]`` buffer and lands at a plain row offset in it.
+A program owns 128 query rows, token-major as in the Triton kernel: ``128 / group_pad`` tokens of
+one request x the padded query heads of one KV head, so a K/V tile serves the whole head group.
+Two consumer warp groups take rows 0-63 and 64-127 (every MMA is M = 64 a warp group); a loader
+warp (warp specialization, 24 registers; the consumers get 240) brings the key tiles. Either the
+two warp groups are one 8-warp partition (``warps_per_cta [8, 1]``, in lockstep) or, ``split``,
+each its own 4-warp partition, so that they drift apart and one's softmax overlaps the other's
+MMAs. Q goes to shared memory once (plain loads), as two 64-column halves. A tile of ``block_n``
+keys comes by TMA into one of ``stages`` shared-memory stages: the caches are seen as
+``[num_blocks * page, kv_heads * 128]`` rows and a tile is ``block_n / box`` boxes of ``[box,
+64]`` (``box = gcd(page, block_n)``) per 64-column half of K and of V, each at its page's row
+(from the block table; the null block 0 past the sequence). 64 columns are the 128-byte swizzle
+width, so a box is whole swizzle atoms of the stage's ``[block_n, 64]`` buffer and lands at a
+plain row offset in it. Each stage has a ready barrier (TMA bytes) and an empty one (one arrival
+per consumer partition once its P V of that tile is done); the loader waits for empty, then
+issues the next tile into it.
 
 Per tile j: S_j = Q K_j^T (two async wgmma, K = 64 each, N = block_n); then P_{j-1} V_{j-1}
 (P a register A operand: the softmax output in the wgmma dot-operand layout, no shared memory;
@@ -23,11 +28,10 @@ one async wgmma per 64-column half of O). With ``overlap`` (FA3's intra-warpgrou
 softmax of S_j runs while P_{j-1} V_{j-1} is still on the tensor cores (wait for the two score
 groups only, then for the rest); without it both are waited first. The online softmax is in log2
 units (exp2, the scale folded into one FMA). Tiles whose last key precedes every row's position
-skip the mask; the 1-2 diagonal tiles mask keys past the row's position or the sequence. Once P
-V of tile j-1 is done, both warp groups meet at a barrier and the TMA of tile j-1+stages goes into
-the stage it used, so ``stages >= 3`` keeps a tile in flight for a whole step. The last tile of a
-sequence is loaded whole: its scores past the sequence are masked, and before its P V the value
-rows past the sequence are zeroed in shared memory (stale slots may hold NaN; 0 * NaN = NaN).
+skip the mask; the 1-2 diagonal tiles mask keys past the row's position or the sequence. The last
+tile of a sequence is loaded whole: its scores past the sequence are masked, and before its P V
+the value rows past the sequence are zeroed in shared memory (stale slots may hold NaN, and 0 *
+NaN = NaN; split: each partition zeroes one half, and both wait on a barrier for the other).
 Rows past a request's new tokens (and padded heads) read zero queries and are not stored.
 
 The grid is (q blocks, KV heads), q blocks in reverse (the last, longest blocks of each request
@@ -65,6 +69,7 @@ __all__ = ["CONFIGS", "DEFAULT_CONFIG", "PrefillConfig", "check_prefill_inputs",
 
 HEAD, HALF, ROWS, MAX_GROUP = 128, 64, 128, 8
 LOADER_REGS = gl.constexpr(24)  # registers a thread of the TMA warp keeps (setmaxnreg)
+CONSUMER_REGS = gl.constexpr(240)  # a worker warp group's, where each has its partition
 LOG2E = 1.4426950408889634
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -76,6 +81,7 @@ class PrefillConfig:
     block_n: int
     stages: int
     overlap: bool
+    split: bool = False  # each warp group its own partition (4 warps), not one of 8
 
     def __post_init__(self):
         if self.block_n not in (64, 128) or not 2 <= self.stages <= 6:
@@ -86,7 +92,8 @@ class PrefillConfig:
 
 CONFIGS = {
     "n128_s3_overlap": PrefillConfig(128, 3, True),  # Q 32 KB + 3 x 64 KB stages
-    "n64_s6_overlap": PrefillConfig(64, 6, True),  # Q 32 KB + 6 x 32 KB
+    "n128_s3_split": PrefillConfig(128, 3, True, True),
+    "n64_s6_split": PrefillConfig(64, 6, True, True),  # Q 32 KB + 6 x 32 KB
     "n128_s3_plain": PrefillConfig(128, 3, False),  # the softmax not overlapped
 }
 DEFAULT_CONFIG = CONFIGS["n128_s3_overlap"]
@@ -156,12 +163,13 @@ def _softmax_tile(s, m_i, l_i, t, n_full, q_pos, seq_len, qk_scale, DT: gl.const
 
 @gluon.jit
 def _load_q(q_ptr, q_lo, q_hi, q_start, q_len, q_block, kv_head, stride_qt, stride_qh,
-            GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, LAYOUT: gl.constexpr):
-    """The program's 128 query rows (token-major: row = token * GROUP_PAD + head in group) into
-    shared memory by plain loads; rows past the request's new tokens or the group are 0."""
-    BLOCK_Q: gl.constexpr = q_lo.shape[0] // GROUP_PAD
+            GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, ROW0: gl.constexpr,
+            LAYOUT: gl.constexpr):
+    """Query rows ROW0.. of the program's 128 (token-major: row = token * GROUP_PAD + head in
+    group) into shared memory by plain loads; rows past the new tokens or the group are 0."""
+    BLOCK_Q: gl.constexpr = 128 // GROUP_PAD
     H: gl.constexpr = q_lo.shape[1]
-    rows = gl.arange(0, q_lo.shape[0], layout=gl.SliceLayout(1, LAYOUT))
+    rows = ROW0 + gl.arange(0, q_lo.shape[0], layout=gl.SliceLayout(1, LAYOUT))
     tok = q_block * BLOCK_Q + rows // GROUP_PAD
     ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
     off = (q_start + tok).to(gl.int64) * stride_qt + (kv_head * GROUP + rows % GROUP_PAD) * stride_qh
@@ -172,14 +180,14 @@ def _load_q(q_ptr, q_lo, q_hi, q_start, q_len, q_block, kv_head, stride_qt, stri
 
 @gluon.jit
 def _store_out(out_ptr, acc_lo, acc_hi, l_i, q_start, q_len, q_block, kv_head, stride_ot,
-               stride_oh, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr):
-    """Normalised live rows to ``out`` (rows past the new tokens or the group untouched)."""
+               stride_oh, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, ROW0: gl.constexpr):
+    """Normalised live rows ROW0.. to ``out`` (rows past the new tokens or the group untouched)."""
     O_LAYOUT: gl.constexpr = acc_lo.type.layout
-    BLOCK_Q: gl.constexpr = acc_lo.shape[0] // GROUP_PAD
+    BLOCK_Q: gl.constexpr = 128 // GROUP_PAD
     H: gl.constexpr = acc_lo.shape[1]
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT), assert_trivial=True)
     inv = (1.0 / gl.where(l_o > 0.0, l_o, 1.0))[:, None]
-    rows = gl.arange(0, acc_lo.shape[0], layout=gl.SliceLayout(1, O_LAYOUT))
+    rows = ROW0 + gl.arange(0, acc_lo.shape[0], layout=gl.SliceLayout(1, O_LAYOUT))
     tok = q_block * BLOCK_Q + rows // GROUP_PAD
     ok = ((tok < q_len) & (rows % GROUP_PAD < GROUP))[:, None]
     off = (q_start + tok).to(gl.int64) * stride_ot + (kv_head * GROUP + rows % GROUP_PAD) * stride_oh
@@ -190,29 +198,31 @@ def _store_out(out_ptr, acc_lo, acc_hi, l_i, q_start, q_len, q_block, kv_head, s
 
 
 @gluon.jit
-def _consumer(q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, q_start, q_len,
-              q_block, kv_head, seq_len, n_tiles, n_full, qk_scale, stride_qt, stride_qh,
+def _consumer(q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, zeroed, q_start,
+              q_len, q_block, kv_head, seq_len, n_tiles, n_full, qk_scale, stride_qt, stride_qh,
               stride_ot, stride_oh, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr,
-              OVERLAP: gl.constexpr):
-    """Default partition (8 warps, two warp groups of 64 rows): Q, the tiles, the output."""
+              OVERLAP: gl.constexpr, WG: gl.constexpr, NPART: gl.constexpr):
+    """A consumer partition: the 128 rows (8 warps, NPART 1) or warp group WG's 64 of them
+    (4 warps, NPART 2): Q, the tiles, the output. Every partition releases each stage."""
+    NW: gl.constexpr = gl.num_warps()
     M: gl.constexpr = q_lo.shape[0]
     H: gl.constexpr = q_lo.shape[1]
     STAGES: gl.constexpr = k_lo.shape[0]
     BLOCK_N: gl.constexpr = k_lo.shape[1]
     DT: gl.constexpr = q_lo.dtype
-    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, H, 16])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    LD_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     _load_q(q_ptr, q_lo, q_hi, q_start, q_len, q_block, kv_head, stride_qt, stride_qh, GROUP,
-            GROUP_PAD, LD_LAYOUT)
+            GROUP_PAD, WG * M, LD_LAYOUT)
     fence_async_shared()  # generic-proxy stores, then async-proxy (wgmma) reads
     gl.thread_barrier()
 
-    rows = gl.arange(0, M, layout=gl.SliceLayout(1, S_LAYOUT))
-    q_pos = seq_len - q_len + q_block * (M // GROUP_PAD) + rows // GROUP_PAD  # past: not stored
+    rows = WG * M + gl.arange(0, M, layout=gl.SliceLayout(1, S_LAYOUT))
+    q_pos = seq_len - q_len + q_block * (128 // GROUP_PAD) + rows // GROUP_PAD  # past: unstored
     m_i = gl.full([M], -1e30, gl.float32, gl.SliceLayout(1, S_LAYOUT))  # finite: no inf - inf
     l_i = gl.zeros([M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
     acc_lo = gl.zeros([M, H], gl.float32, O_LAYOUT)
@@ -235,7 +245,7 @@ def _consumer(q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
             p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, n_full, q_pos, seq_len,
                                                    qk_scale, DT, P_LAYOUT)
             acc_lo, acc_hi, p = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi, p))
-            gl.thread_barrier()  # both warp groups are done with stage prev: release it
+            gl.thread_barrier()  # this partition's warps are done with stage prev: release it
             mbarrier.arrive(empty.index(prev), count=1)
         else:
             s, acc_lo, acc_hi, p = warpgroup_mma_wait(0, deps=(s, acc_lo, acc_hi, p))
@@ -248,15 +258,21 @@ def _consumer(q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
         acc_hi = acc_hi * alpha_o[:, None]
         p = p_new
     last = (n_tiles - 1) % STAGES
-    if n_tiles * BLOCK_N > seq_len:  # the sequence ends inside the last tile: no MMA in flight
-        _zero_rows_from(v_lo.index(last), seq_len - (n_tiles - 1) * BLOCK_N, LD_LAYOUT)
-        _zero_rows_from(v_hi.index(last), seq_len - (n_tiles - 1) * BLOCK_N, LD_LAYOUT)
-        fence_async_shared()
+    if n_tiles * BLOCK_N > seq_len:  # the sequence ends inside the last tile: zero its value
+        # rows past the sequence (WG 0 the low half, WG 1 the high one; one partition: both),
+        # then every partition waits for all of them
+        if NPART == 1 or WG == 0:
+            _zero_rows_from(v_lo.index(last), seq_len - (n_tiles - 1) * BLOCK_N, LD_LAYOUT)
+        if NPART == 1 or WG == 1:
+            _zero_rows_from(v_hi.index(last), seq_len - (n_tiles - 1) * BLOCK_N, LD_LAYOUT)
+        fence_async_shared()  # generic-proxy stores, then async-proxy (wgmma) reads
         gl.thread_barrier()
+        mbarrier.arrive(zeroed, count=1)
+        mbarrier.wait(zeroed, 0)
     acc_lo, acc_hi = _issue_pv(p, v_lo.index(last), v_hi.index(last), acc_lo, acc_hi)
     acc_lo, acc_hi, p = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi, p))
     _store_out(out_ptr, acc_lo, acc_hi, l_i, q_start, q_len, q_block, kv_head, stride_ot,
-               stride_oh, GROUP, GROUP_PAD)
+               stride_oh, GROUP, GROUP_PAD, WG * M)
 
 
 @gluon.jit(do_not_specialize=("num_seqs", "stride_bt"),  # per step: no variant per class
@@ -264,7 +280,8 @@ def _consumer(q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
 def _prefill_kernel(q_ptr, k_desc, v_desc, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, qk_scale,
                     num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, PAGE: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                    SPLIT: gl.constexpr):
     M: gl.constexpr = 128  # query rows a program: two warp groups of 64
     H: gl.constexpr = k_desc.block_type.shape[1]  # 64: half a head, the swizzle width
     BLOCK_Q: gl.constexpr = M // GROUP_PAD
@@ -294,17 +311,37 @@ def _prefill_kernel(q_ptr, k_desc, v_desc, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
     v_hi = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, H], k_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    zeroed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    NPART: gl.constexpr = 2 if SPLIT else 1  # consumer partitions: each releases every stage
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NPART)
+    mbarrier.init(zeroed, count=NPART)
     fence_async_shared()  # the barriers' init before their use by TMA
-    gl.warp_specialize([
-        (_consumer, (q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, q_start,
-                     q_len, q_block, kv_head, seq_len, n_tiles, n_full, qk_scale, stride_qt,
-                     stride_qh, stride_ot, stride_oh, GROUP, GROUP_PAD, OVERLAP)),
-        (_loader, (k_desc, v_desc, ready, empty, k_lo, k_hi, v_lo, v_hi, bt_row, seq_len, col,
-                   n_tiles, PAGE)),
-    ], [1], [LOADER_REGS])
+    if SPLIT:  # a partition per warp group (4 warps each), so that they drift apart: one's
+        # softmax runs while the other's MMAs do; WG 1 is the first worker (warps 4-7)
+        gl.warp_specialize([
+            (_consumer, (q_ptr, out_ptr, q_lo.slice(0, 64), q_hi.slice(0, 64), k_lo, k_hi, v_lo,
+                         v_hi, ready, empty, zeroed, q_start, q_len, q_block, kv_head, seq_len,
+                         n_tiles, n_full, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                         GROUP, GROUP_PAD, OVERLAP, 0, 2)),
+            (_consumer, (q_ptr, out_ptr, q_lo.slice(64, 64), q_hi.slice(64, 64), k_lo, k_hi,
+                         v_lo, v_hi, ready, empty, zeroed, q_start, q_len, q_block, kv_head,
+                         seq_len, n_tiles, n_full, qk_scale, stride_qt, stride_qh, stride_ot,
+                         stride_oh, GROUP, GROUP_PAD, OVERLAP, 1, 2)),
+            (_loader, (k_desc, v_desc, ready, empty, k_lo, k_hi, v_lo, v_hi, bt_row, seq_len,
+                       col, n_tiles, PAGE)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty,
+                         zeroed, q_start, q_len, q_block, kv_head, seq_len, n_tiles, n_full,
+                         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, GROUP, GROUP_PAD,
+                         OVERLAP, 0, 1)),
+            (_loader, (k_desc, v_desc, ready, empty, k_lo, k_hi, v_lo, v_hi, bt_row, seq_len,
+                       col, n_tiles, PAGE)),
+        ], [1], [LOADER_REGS])
+    mbarrier.invalidate(zeroed)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -401,7 +438,7 @@ def _launch(q, key_cache, value_cache, out, block_table, query_start_loc, seq_le
         query_start_loc, seq_lens, scale * LOG2E, num_seqs, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0), GROUP=group, GROUP_PAD=group_pad,
         PAGE=key_cache.shape[1], BLOCK_N=config.block_n, STAGES=config.stages,
-        OVERLAP=config.overlap, num_warps=8,
+        OVERLAP=config.overlap, SPLIT=config.split, num_warps=4 if config.split else 8,
     )
     # fmt: on
     return out
