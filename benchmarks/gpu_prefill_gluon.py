@@ -5,8 +5,10 @@
    of ``CONFIGS`` against the float32 twin (``attention.reference.paged_attention``) on one
    request of 1, 17, 129 and 1000 new tokens (the 1-token one inside a prefill step: the host bound
    ``max_query_len`` is 2) and a batch of 5, 300 and 2049 new tokens after 100, 0 and 4096 cached
-   ones; ``unified_attention`` (the kernel it would replace) on the same cases. Bound ``max|out -
-   ref| / max|ref| <= 2e-2``, no NaN, and the 7 rows past the batch's tokens untouched.
+   ones; that batch also at page 16 with 8/8 heads in fp16, 24/8 and 64/8 in bf16 (head groups 1,
+   3 and 8: the first variant and the first split one only); ``unified_attention`` (the kernel it
+   would replace) on the same cases. Bound ``max|out - ref| / max|ref| <= 2e-2``, no NaN, and the
+   7 rows past the batch's tokens untouched.
 2. Timing, one request of 4K, 16K, 32K tokens, no context, page 16: each variant,
    ``unified_attention``, and the SDPA peers on contiguous [1, H, S, D] inputs (cuDNN and
    FlashAttention with K/V expanded to the 32 heads before the timed call; FlashAttention GQA) by
@@ -54,15 +56,17 @@ PEERS = ("sdpa_cudnn_mha", "sdpa_flash_mha", "sdpa")  # no Flex: its compiles co
 FULL = dict(heads=32, kv_heads=8, head=128, dtype=torch.bfloat16, pages=(16, 64),
             checks=(((1,), (0,)), ((17,), (0,)), ((129,), (0,)), ((1000,), (0,)),
                     ((5, 300, 2049), (100, 0, 4096))),
+            groups=((8, 8, torch.float16), (24, 8, torch.bfloat16), (64, 8, torch.bfloat16)),
             tokens=(4096, 16384, 32768))  # fmt: skip
 SMOKE = dict(heads=4, kv_heads=2, head=32, dtype=torch.float32, pages=(16,),
-             checks=(((17,), (0,)), ((5, 30, 9), (3, 0, 20))), tokens=(64,))  # fmt: skip
+             checks=(((17,), (0,)), ((5, 30, 9), (3, 0, 20))), groups=((2, 2, torch.float32),),
+             tokens=(64,))  # fmt: skip
 
 
 def batch(q_lens, ctx_lens, sizes: dict, page: int) -> dict:
     """A NaN-filled paged batch (``gpu_attention.paged_batch`` at this page size) whose q and out
     carry PAD spare rows past the batch's tokens (q zero, out a sentinel)."""
-    ga.PAGE = page  # paged_batch reads the module's page size
+    ga.PAGE, ga.DTYPE = page, sizes["dtype"]  # paged_batch reads the module's page and q dtype
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
     b = paged_batch(q_lens, seq_lens, head=sizes["head"], heads=sizes["heads"],
                     kv_heads=sizes["kv_heads"], cache_dtype=sizes["dtype"], nan_fill=True)  # fmt: skip
@@ -93,7 +97,8 @@ def check_case(q_lens, ctx_lens, page: int, sizes: dict, names, gluon: bool) -> 
     live = sum(q_lens)
     ref = paged_attention(b["q"][:live], b["key_cache"], b["value_cache"], b["block_table"],
                           b["query_start_loc"], b["seq_lens"], scale=b["q"].shape[-1] ** -0.5)  # fmt: skip
-    case = f"p{page}_q{'+'.join(map(str, q_lens))}_ctx{'+'.join(map(str, ctx_lens))}"
+    case = (f"p{page}_q{'+'.join(map(str, q_lens))}_ctx{'+'.join(map(str, ctx_lens))}"
+            f"_h{sizes['heads']}/{sizes['kv_heads']}_{str(sizes['dtype'])[6:]}")  # fmt: skip
     rows = []
     for name in ("triton", *names):
         out = torch.full_like(b["q"], 7.0)
@@ -209,11 +214,18 @@ def main() -> int:
     start = time.perf_counter()
     torch.manual_seed(0)
     checks = []
-    for page in sizes["pages"]:
-        for q_lens, ctx_lens in sizes["checks"]:
-            for c in check_case(q_lens, ctx_lens, page, sizes, names, gluon):
-                print(json.dumps(c), flush=True)
-                checks.append(c)
+    cases = [(page, q, c, sizes, names) for page in sizes["pages"] for q, c in sizes["checks"]]
+    # other head groups and dtypes on the last case, for the first variant and the first split
+    # one only (each is a compile of each variant: seconds)
+    few = list(dict.fromkeys([names[0], *[n for n in names if CONFIGS[n].split][:1]]))
+    for heads, kv_heads, dtype in sizes["groups"]:
+        other = dict(sizes, heads=heads, kv_heads=kv_heads, dtype=dtype)
+        cases.append((sizes["pages"][0], *sizes["checks"][-1], other, few))
+    for page, q_lens, ctx_lens, shape, which in cases:
+        for c in check_case(q_lens, ctx_lens, page, shape, which, gluon):
+            print(json.dumps(c), flush=True)
+            checks.append(c)
+    ga.DTYPE = sizes["dtype"]
     ceilings = measure_ceilings(ga.DEV)
     ga.PREFILL_PEERS, peers = PEERS, peer_fns()  # bench_peers times the module's peer list
     rows = []

@@ -141,12 +141,12 @@ def test_every_variant_compiles_for_sm90_without_spills():
         assert info["tma_loads"] == 4 * config.block_n // math.gcd(page, config.block_n), info
 
 
-def _nan_batch(q_lens, seq_lens, page, heads=32, kv_heads=8, seed=0):
+def _nan_batch(q_lens, seq_lens, page, heads=32, kv_heads=8, dtype=BF16, seed=0):
     """q and NaN-filled caches with each request's K/V in shuffled blocks (never block 0)."""
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-n // page) for n in seq_lens]
     shape = (sum(pages) + 1, page, kv_heads, 128)
-    k_cache, v_cache = (torch.full(shape, float("nan"), dtype=BF16) for _ in range(2))
+    k_cache, v_cache = (torch.full(shape, float("nan"), dtype=dtype) for _ in range(2))
     table = torch.zeros(len(seq_lens), max(pages) + 1, dtype=torch.int32)
     free = (torch.randperm(sum(pages), generator=gen) + 1).tolist()
     for i, (n, p) in enumerate(zip(seq_lens, pages)):
@@ -157,15 +157,35 @@ def _nan_batch(q_lens, seq_lens, page, heads=32, kv_heads=8, seed=0):
         kv = torch.randn(2, n, kv_heads, 128, generator=gen)
         write_kv(k_cache, v_cache, kv[0], kv[1], slots, 1.0, 1.0)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), heads, 128, generator=gen).to(BF16)
+    q = torch.randn(int(qsl[-1]), heads, 128, generator=gen).to(dtype)
     return dict(q=q, key_cache=k_cache, value_cache=v_cache, block_table=table,
                 query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32))  # fmt: skip
 
 
-@pytest.mark.skipif(
+_HOPPER = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="the Gluon kernel runs on Hopper GPUs only",
 )
+
+
+def _check_on_hopper(b: dict, config: PrefillConfig, max_query_len: int) -> None:
+    """The kernel on batch ``b`` (CPU tensors) against the twin; rows past the batch untouched."""
+    ref = paged_attention(**b, scale=SCALE)
+    dev = {k: v.cuda() for k, v in b.items()}
+    pad, shape = 7, b["q"].shape  # rows past the batch's tokens must stay untouched
+    dev["q"] = torch.cat([dev["q"], dev["q"].new_zeros(pad, *shape[1:])])
+    out = torch.full((shape[0] + pad, *shape[1:]), 3.0, dtype=b["q"].dtype, device="cuda")
+    prefill_attention_gluon(**dev, out=out, scale=SCALE, max_query_len=max_query_len,
+                            max_seq_len=int(b["seq_lens"].max()), config=config)  # fmt: skip
+    out = out.cpu().float()
+    assert (out[-pad:] == 3.0).all(), "a row past the batch's tokens was written"
+    got = out[:-pad]
+    assert not got.isnan().any(), "a stale slot or a row past a sequence reached the output"
+    err = (got - ref.float()).abs().max() / ref.float().abs().max()
+    assert err < 2e-2, err
+
+
+@_HOPPER
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize(
@@ -174,16 +194,12 @@ def _nan_batch(q_lens, seq_lens, page, heads=32, kv_heads=8, seed=0):
 )
 def test_matches_twin_on_hopper(name, page, q_lens, seq_lens):
     b = _nan_batch(q_lens, seq_lens, page)
-    ref = paged_attention(**b, scale=SCALE)
-    dev = {k: v.cuda() for k, v in b.items()}
-    pad = 7  # rows past the batch's tokens must stay untouched
-    out = torch.full((b["q"].shape[0] + pad, 32, 128), 3.0, dtype=BF16, device="cuda")
-    dev["q"] = torch.cat([dev["q"], torch.zeros(pad, 32, 128, dtype=BF16, device="cuda")])
-    prefill_attention_gluon(**dev, out=out, scale=SCALE, max_query_len=max(max(q_lens), 2),
-                            max_seq_len=max(seq_lens), config=CONFIGS[name])  # fmt: skip
-    out = out.cpu().float()
-    assert (out[-pad:] == 3.0).all(), "a row past the batch's tokens was written"
-    got = out[:-pad]
-    assert not got.isnan().any(), "a stale slot or a row past a sequence reached the output"
-    err = (got - ref.float()).abs().max() / ref.float().abs().max()
-    assert err < 2e-2, err
+    _check_on_hopper(b, CONFIGS[name], max(max(q_lens), 2))
+
+
+@_HOPPER
+@pytest.mark.parametrize("name", ["n128_s3_overlap", "n128_s3_split"])
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(8, 8, torch.float16), (24, 8, BF16), (64, 8, BF16)])
+def test_head_groups_and_fp16_on_hopper(name, heads, kv_heads, dtype):
+    b = _nan_batch([5, 300, 2049], [105, 300, 6145], 16, heads, kv_heads, dtype)
+    _check_on_hopper(b, CONFIGS[name], 2049)
