@@ -172,13 +172,17 @@ def time_tokens(n: int, sizes: dict, names, gluon: bool, peers, mm_flops: float)
     return row
 
 
+def fmt(err) -> str:
+    return "skipped" if err is None else f"{err:.1e}"
+
+
 def print_table(checks: list[dict], rows: list[dict], names, mm_flops: float) -> None:
     bad = [c for c in checks if not c["ok"]]
     worst = max((c["rel_err"] for c in checks if c["rel_err"] is not None), default=None)
     print(f"\nchecks: {len(checks) - len(bad)}/{len(checks)} ok (bound {REL_TOL:.0e}), worst "
-          f"rel err {worst if worst is None else format(worst, '.2e')}")  # fmt: skip
+          f"rel err {fmt(worst)}")  # fmt: skip
     for c in bad:
-        print(f"  FAIL {c['kernel']:>16} {c['case']}: {c['rel_err']} {c.get('note', '')}")
+        print(f"  FAIL {c['kernel']} {c['case']}: {fmt(c['rel_err'])} {c.get('note', '')[:200]}")
     cols = ["triton", *names, *PEERS]
     print(f"\ncausal prefill TFLOP/s (% of torch.mm {mm_flops / 1e12:.0f} TFLOP/s), one request")
     print(f"{'tokens':>7} " + " ".join(f"{c[:16]:>16}" for c in cols))
@@ -222,16 +226,19 @@ def main() -> int:
         other = dict(sizes, heads=heads, kv_heads=kv_heads, dtype=dtype)
         cases.append((sizes["pages"][0], *sizes["checks"][-1], other, few))
     for page, q_lens, ctx_lens, shape, which in cases:
-        for c in check_case(q_lens, ctx_lens, page, shape, which, gluon):
-            print(json.dumps(c), flush=True)
-            checks.append(c)
+        rows = check_case(q_lens, ctx_lens, page, shape, which, gluon)
+        checks += rows
+        cells = [f"{c['kernel']} {fmt(c['rel_err'])}{'' if c['ok'] else ' FAIL'}" for c in rows]
+        print(f"{rows[0]['case']}: " + ", ".join(cells), flush=True)
     ga.DTYPE = sizes["dtype"]
     ceilings = measure_ceilings(ga.DEV)
     ga.PREFILL_PEERS, peers = PEERS, peer_fns()  # bench_peers times the module's peer list
     rows = []
     for n in sizes["tokens"]:
         rows.append(time_tokens(n, sizes, names, gluon, peers, ceilings["matmul_flops"]))
-        print(json.dumps(rows[-1]), flush=True)
+        r = rows[-1]
+        cells = [f"{k} {v['tflops']:.0f}" for k, v in r.items() if isinstance(v, dict)]
+        print(f"{n} tokens TFLOP/s: " + ", ".join(cells), flush=True)
         for name in names:  # the output against unified_attention's is a check too
             err = rows[-1].get(f"{name}_rel_vs_triton")
             if err is not None:
