@@ -32,6 +32,7 @@ SCRIPTS = {
     "gpu_mla_gluon": ["--smoke"],
     "gpu_moe": ["--smoke"],
     "gpu_offload": ["--smoke"],
+    "gpu_prefill_gluon": ["--smoke"],
     "gpu_small_kernels": ["--smoke"],
     "gpu_sparse_offload": ["--smoke"],
     "gpu_state_decode": ["--smoke"],
