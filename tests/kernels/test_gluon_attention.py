@@ -26,6 +26,8 @@ from attnserve.ops.gluon_attention import (  # noqa: E402
     CONFIGS,
     PrefillConfig,
     check_prefill_inputs,
+    gluon_prefill_takes,
+    in_prefill_class,
     prefill_attention_gluon,
 )
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
@@ -85,6 +87,35 @@ def test_inputs_outside_the_class_are_refused(change, match):
         check_prefill_inputs(**_inputs(**change))
 
 
+_CLASS_KEYS = ("window", "alibi", "sinks", "softcap", "k_scale", "v_scale", "max_query_len")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(window=8), dict(alibi=torch.zeros(8)), dict(sinks=torch.zeros(8)),
+        dict(softcap=30.0), dict(k_scale=0.5), dict(max_query_len=1),
+        dict(q=torch.zeros(6, 8, 64, dtype=BF16)), dict(q=torch.zeros(6, 8, 128)),
+        dict(key_cache=_CACHE_64),
+        dict(value_cache=torch.zeros(4, 16, 2, 128, dtype=torch.float16)),
+        dict(key_cache=torch.zeros(4, 2, 16, 128, dtype=BF16).transpose(1, 2)),
+        dict(key_cache=torch.zeros(4, 12, 2, 128, dtype=BF16),
+             value_cache=torch.zeros(4, 12, 2, 128, dtype=BF16)),
+        dict(q=torch.zeros(6, 32, 128, dtype=BF16)),
+    ],
+)  # fmt: skip
+def test_class_predicate_agrees_with_the_checks(change):
+    """What the backend asks (``in_prefill_class``) refuses what ``check_prefill_inputs`` does,
+    and takes the inputs it accepts short of the device."""
+    d = _inputs(**change)
+    step = {k: d[k] for k in _CLASS_KEYS if k in d}
+    assert not in_prefill_class(d["q"], d["key_cache"], d["value_cache"], **step)
+    ok = _inputs()
+    assert in_prefill_class(ok["q"], ok["key_cache"], ok["value_cache"], max_query_len=4)
+    # CPU tensors never go to the Gluon kernel
+    assert not gluon_prefill_takes(ok["q"], ok["key_cache"], ok["value_cache"], max_query_len=4)
+
+
 def test_entry_point_checks_before_launching():
     d = _inputs()
     d.pop("out")
@@ -114,7 +145,7 @@ lens = torch.zeros(3, dtype=torch.int32)
 for name, config in ga.CONFIGS.items():
     for page in (16, 64):
         cache = torch.zeros(40, page, 8, 128, dtype=torch.bfloat16)
-        ga._launch(q, cache, cache, torch.zeros_like(q), table, qsl, lens, 0.088, config)
+        ga.launch_prefill(q, cache, cache, torch.zeros_like(q), table, qsl, lens, 0.088, config)
 """
 
 

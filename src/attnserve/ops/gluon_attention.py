@@ -44,6 +44,7 @@ twin is ``attention.reference.paged_attention``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -61,10 +62,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # the helpers both Gluon kernels share (same code): P V over two halves, zeroing stale rows
+from attnserve import env
 from attnserve.ops.gluon_mla import _issue_pv, _zero_rows_from
 from attnserve.ops.triton_paged_attention import _find_seq
 
 __all__ = ["CONFIGS", "DEFAULT_CONFIG", "PrefillConfig", "check_prefill_inputs",
+           "gluon_prefill_takes", "in_prefill_class", "launch_prefill",
            "prefill_attention_gluon"]  # fmt: skip
 
 HEAD, HALF, ROWS, MAX_GROUP = 128, 64, 128, 8
@@ -96,7 +99,10 @@ CONFIGS = {
     "n64_s6_split": PrefillConfig(64, 6, True, True),  # Q 32 KB + 6 x 32 KB
     "n128_s3_plain": PrefillConfig(128, 3, False),  # the softmax not overlapped
 }
-DEFAULT_CONFIG = CONFIGS["n128_s3_overlap"]
+# measured on the H200 (benchmarks/gpu_prefill_gluon.py, 2026-12-03, 32/8 heads, one request):
+# the split variant was fastest at every length, 519 / 562 / 599 TFLOP/s at 4K / 16K / 32K
+# tokens, against 441 / 494 / 503 for n128_s3_overlap and 263 / 345 / 351 for the Triton kernel
+DEFAULT_CONFIG = CONFIGS["n128_s3_split"]
 
 
 # Kernels keep their dense argument lists: one argument per line would triple their length.
@@ -410,6 +416,47 @@ def check_prefill_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         raise ValueError(f"the Gluon prefill kernel runs on Hopper (sm_90) GPUs, not {q.device}")
 
 
+@functools.lru_cache(maxsize=16)
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def in_prefill_class(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+                     window=None, alibi=None, sinks=None, softcap=None, k_scale: float = 1.0,
+                     v_scale: float = 1.0, max_query_len: int) -> bool:
+    """What ``check_prefill_inputs`` checks of the layer, the caches and the step, as a bool
+    (host-side, no sync): plain causal prefill, bf16/fp16, head 128, 1..8 query heads per KV
+    head, pages a multiple of 8, contiguous caches of q's dtype."""
+    return (
+        max_query_len > 1
+        and window is None and alibi is None and sinks is None and softcap is None
+        and k_scale == 1.0 and v_scale == 1.0
+        and q.dim() == 3 and q.shape[2] == HEAD and q.stride(-1) == 1
+        and q.dtype in _DTYPES
+        and key_cache.dtype == q.dtype and value_cache.dtype == q.dtype
+        and key_cache.dim() == 4 and key_cache.shape[3] == HEAD
+        and value_cache.shape == key_cache.shape
+        and key_cache.shape[1] % 8 == 0
+        and key_cache.shape[0] * key_cache.shape[1] < 2**31
+        and q.shape[1] % key_cache.shape[2] == 0
+        and 1 <= q.shape[1] // key_cache.shape[2] <= MAX_GROUP
+        and key_cache.is_contiguous() and value_cache.is_contiguous()
+        and key_cache.data_ptr() % 16 == 0 and value_cache.data_ptr() % 16 == 0
+    )  # fmt: skip
+
+
+def gluon_prefill_takes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        **step) -> bool:
+    """Whether a prefill launch goes to this kernel: ``in_prefill_class`` (``step``: its
+    keyword arguments) on an sm_90 GPU, and ``ATTNSERVE_GLUON`` not 0."""
+    return (
+        q.is_cuda
+        and env.gluon()
+        and in_prefill_class(q, key_cache, value_cache, **step)
+        and _is_sm90(q.device)
+    )
+
+
 def _descriptors(key_cache, value_cache, block_n):
     """TMA descriptors over the caches seen as [blocks * page, kv_heads * 128] rows: boxes of
     [gcd(page, block_n), 64], 128-byte swizzled as the wgmma operands want them."""
@@ -420,10 +467,11 @@ def _descriptors(key_cache, value_cache, block_n):
             for c in (key_cache, value_cache)]  # fmt: skip
 
 
-def _launch(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, scale,
-            config: PrefillConfig):
-    """The launch itself, for inputs ``check_prefill_inputs`` passed (the sm_90 compile test
-    records it on CPU tensors)."""
+def launch_prefill(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, scale,
+                   config: PrefillConfig = DEFAULT_CONFIG):
+    """The launch itself, without input checks: for inputs ``check_prefill_inputs`` passed, or
+    a backend's, whose layer and cache ``gluon_prefill_takes`` and whose metadata the engine
+    builds (int32, one row per request). The sm_90 compile test records it on CPU tensors."""
     num_tokens, num_heads = q.shape[:2]
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -485,5 +533,5 @@ def prefill_attention_gluon(
                          k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len,
                          num_splits=num_splits)  # fmt: skip
     del max_seq_len, merge
-    return _launch(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, scale,
-                   config)  # fmt: skip
+    return launch_prefill(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
+                          scale, config)  # fmt: skip
