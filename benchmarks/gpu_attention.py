@@ -68,6 +68,7 @@ from gpu_attention_report import print_tables  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
+from attnserve.ops.gluon_attention import gluon_prefill_takes, launch_prefill  # noqa: E402
 from attnserve.ops.triton_kv_write import write_kv_cache  # noqa: E402
 from attnserve.ops.triton_paged_attention import pick_num_splits, unified_attention  # noqa: E402
 
@@ -404,6 +405,23 @@ def bench_prefill(n: int, peers, ceilings: dict) -> dict | None:
         b["max_q"], b["max_s"] = n, n
     calls = [lambda b=b, o=o: run_ours(b, o) for b, o in zip(data, outs)]
     row["ours"], row["ours_graph"] = time_per_call(calls, rep_ms=200)
+    row["kernel"] = "triton"
+    b = data[0]
+    if gluon_prefill_takes(b["q"], b["key_cache"], b["value_cache"], max_query_len=n):
+        # what the TRITON_ATTN backend launches on Hopper: the Gluon kernel is "ours", the
+        # Triton one it replaces becomes a peer column
+        def gluon(b, o):
+            return launch_prefill(b["q"], b["key_cache"], b["value_cache"], o, b["block_table"],
+                                  b["query_start_loc"], b["seq_lens"], HEAD**-0.5)  # fmt: skip
+
+        ref = run_ours(b, outs[0].clone())
+        got = gluon(b, outs[0])
+        row["gluon_rel_vs_triton"] = rel_err(got, ref)
+        row["triton"] = row["ours"]
+        row["ours"], row["ours_graph"] = time_per_call(
+            [lambda b=b, o=o: gluon(b, o) for b, o in zip(data, outs)], rep_ms=200
+        )
+        row["kernel"] = "gluon"
     row["tflops"] = flops / row["ours"] / 1e12
     row.update(fractions(ceilings, flops=flops / row["ours"]))
     del data, outs, calls

@@ -84,15 +84,20 @@ def print_decode(rows: list[dict], peers: tuple) -> None:
 
 
 def print_prefill(rows: list[dict], peers: tuple) -> None:
+    """``kern``: the kernel timed as ours (what TRITON_ATTN launches: ``gluon`` on Hopper);
+    with gluon, ``triton us`` is the Triton kernel it replaces and ``rel`` their difference."""
     print(
-        f"{'tokens':>7} {'ours us':>10} {'TFLOP/s':>8} {'%mm':>5} {'%pk':>5}"
-        + peer_columns(None, peers)
+        f"{'tokens':>7} {'kern':>6} {'ours us':>10} {'TFLOP/s':>8} {'%mm':>5} {'%pk':>5}"
+        f" {'triton us':>10} {'triton/o':>8} {'rel':>7}" + peer_columns(None, peers)
     )
     for r in (r for r in rows if r["kind"] == "prefill"):
         if "skipped" in r:
             print(f"{r['tokens']:>7}  skipped: {r['skipped']}")
             continue
+        rel = r.get("gluon_rel_vs_triton")
         print(
-            f"{r['tokens']:>7} {us(r['ours']):>10} {r['tflops']:>8.0f} "
-            f"{r['pct_flops_measured']:>5.1f} {r['pct_flops']:>5.1f}" + peer_columns(r, peers)
+            f"{r['tokens']:>7} {r.get('kernel', 'triton'):>6} {us(r['ours']):>10} "
+            f"{r['tflops']:>8.0f} {r['pct_flops_measured']:>5.1f} {r['pct_flops']:>5.1f} "
+            f"{us(r.get('triton')):>10} {ratio(r, 'triton'):>8} "
+            f"{'-' if rel is None else format(rel, '.1e'):>7}" + peer_columns(r, peers)
         )

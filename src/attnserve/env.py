@@ -18,7 +18,7 @@ __all__ = [
     "force_platform",
     "cpu_threads",
     "cpu_decode_kernel",
-    "gluon_mla",
+    "gluon",
     "disable_nccl_multicast",
     "hf_hub_offline",
     "hf_hub_cache",
@@ -34,11 +34,11 @@ def mla_disabled() -> bool:
     return _flag("ATTNSERVE_MLA_DISABLE")
 
 
-def gluon_mla() -> bool:
-    """``ATTNSERVE_GLUON_MLA=0``: MLA at 64+ heads keeps the Triton kernels on Hopper instead of
-    the Gluon ones (dense decode ``ops/gluon_mla.py``, sparse ``ops/gluon_mla_sparse.py``), for
-    A/B runs."""
-    return os.environ.get("ATTNSERVE_GLUON_MLA", "").strip().lower() not in ("0", "false", "no", "off")
+def gluon() -> bool:
+    """``ATTNSERVE_GLUON=0``: on Hopper, the steps the Gluon kernels would take (dense MLA decode
+    at 64+ heads, ``ops/gluon_mla.py``; causal prefill, ``ops/gluon_attention.py``) keep the
+    Triton kernels instead, for A/B runs."""
+    return os.environ.get("ATTNSERVE_GLUON", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def small_m_gemv() -> bool:

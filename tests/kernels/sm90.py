@@ -88,6 +88,8 @@ for kernel, args, kwargs in calls:
         info["wgmma"] = sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx)))
         info["wgmma_waits"] = sorted(int(n) for n in re.findall(r"wgmma\.wait_group\S* (\d+)", ptx))
         info["tma_loads"] = ptx.count("cp.async.bulk.tensor")
+        info["setmaxnreg"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+        info["wgmma_a_regs"] = bool(re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", ptx))
         copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx)
         info["cp_async_bytes"] = sorted({int(n, 0) for n in copies})
     print("compiled", json.dumps(info), flush=True)
@@ -101,7 +103,9 @@ def compile_for_sm90(body: str, ptxas: bool = False) -> list[dict]:
         One dict per compiled launch, in launch order: ``kernel``, ``shared`` (bytes) and, with
         ``ptxas``, ``regs``, ``spill`` (bytes stored and loaded), ``async_copies`` (in the
         TTGIR), ``wgmma`` (the distinct instructions of the PTX), ``wgmma_waits`` (the pending
-        counts of its ``wgmma.wait_group``s, sorted), ``tma_loads`` (its TMA load sites) and
+        counts of its ``wgmma.wait_group``s, sorted), ``tma_loads`` (its TMA load sites),
+        ``setmaxnreg`` (the distinct register counts warp-specialized partitions set, sorted),
+        ``wgmma_a_regs`` (whether some wgmma takes its A operand from registers) and
         ``cp_async_bytes`` (the distinct sizes of its non-bulk ``cp.async`` copies).
     """
     # Triton's cache is keyed by the kernel source, so a cached compile is still a valid check.

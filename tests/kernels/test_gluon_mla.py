@@ -82,19 +82,19 @@ def test_entry_point_checks_before_launching():
 def test_the_class_the_backend_sends_here(change, takes):
     d = _inputs(**change)
     assert in_gluon_class(d["q"], d["latent_cache"], d["kv_lora_rank"]) is takes
-    # on CPU (or with ATTNSERVE_GLUON_MLA=0 on a GPU) nothing goes to the Gluon kernel
+    # on CPU (or with ATTNSERVE_GLUON=0 on a GPU) nothing goes to the Gluon kernel
     assert gluon_takes(d["q"], d["latent_cache"], d["kv_lora_rank"]) is False
 
 
 def test_env_switch_turns_the_gluon_path_off(monkeypatch):
     from attnserve import env
 
-    assert env.gluon_mla()
+    assert env.gluon()
     for off in ("0", "false", "off"):
-        monkeypatch.setenv("ATTNSERVE_GLUON_MLA", off)
-        assert not env.gluon_mla()
-    monkeypatch.setenv("ATTNSERVE_GLUON_MLA", "1")
-    assert env.gluon_mla()
+        monkeypatch.setenv("ATTNSERVE_GLUON", off)
+        assert not env.gluon()
+    monkeypatch.setenv("ATTNSERVE_GLUON", "1")
+    assert env.gluon()
 
 
 # The kernel's launches (unsplit: bf16 rows out; split: fp32 partials + the merge), recorded on

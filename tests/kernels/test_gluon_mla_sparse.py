@@ -97,7 +97,7 @@ def test_entry_point_checks_before_launching():
 def test_the_class_the_backend_may_send_here(change, takes):
     d = _inputs(**change)
     assert in_sparse_gluon_class(d["q"], d["latent_cache"], d["kv_lora_rank"]) is takes
-    # on CPU (or with ATTNSERVE_GLUON_MLA=0 on a GPU) nothing goes to the Gluon kernel
+    # on CPU (or with ATTNSERVE_GLUON=0 on a GPU) nothing goes to the Gluon kernel
     assert sparse_gluon_takes(d["q"], d["latent_cache"], d["kv_lora_rank"]) is False
 
 

@@ -33,6 +33,7 @@ SCRIPTS = {
     "gpu_mla_sparse_gluon": ["--smoke"],
     "gpu_moe": ["--smoke"],
     "gpu_offload": ["--smoke"],
+    "gpu_prefill_gluon": ["--smoke"],
     "gpu_small_kernels": ["--smoke"],
     "gpu_sparse_offload": ["--smoke"],
     "gpu_state_decode": ["--smoke"],

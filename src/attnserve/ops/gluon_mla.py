@@ -342,10 +342,10 @@ def in_gluon_class(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: in
 
 def gluon_takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
     """Whether a dense decode goes to this kernel: inputs ``in_gluon_class`` on a Hopper GPU,
-    and ``ATTNSERVE_GLUON_MLA`` not 0. Host-side only: no sync."""
+    and ``ATTNSERVE_GLUON`` not 0. Host-side only: no sync."""
     return (
         q.is_cuda
-        and env.gluon_mla()
+        and env.gluon()
         and in_gluon_class(q, latent_cache, kv_lora_rank)
         and _is_hopper(q.device)
     )

@@ -3,7 +3,9 @@
 New K/V go into the cache with one kernel (with RoPE, and a q/k RMSNorm where the model has one,
 fused in when the layer leaves them to the backend: ``forward_rope``); decodes and prefills then
 run as two launches of ``unified_attention`` (decodes take the split-KV decode path and a merge
-launch; prefills the tiled one). Every
+launch; prefills the tiled one). On a Hopper GPU the prefill launch of plain causal bf16/fp16
+attention at head 128 goes to the Gluon kernel instead (``ops/gluon_attention``,
+``gluon_prefill_takes``; ``ATTNSERVE_GLUON=0`` keeps Triton). Every
 feature of the layer (window, ALiBi, sinks, soft-cap, fp8 cache) is a kernel argument. The
 metadata holds device tensors and host-side bounds only, so a decode batch built over the graph
 runner's buffers can be captured in a CUDA graph (the contract's default hooks).
@@ -18,6 +20,7 @@ import torch
 
 from attnserve.attention.backend import AttentionBackend, RopeTable
 from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.ops.gluon_attention import gluon_prefill_takes, launch_prefill
 from attnserve.ops.triton_kv_write import rope_write_kv_cache, write_kv_cache
 from attnserve.ops.triton_paged_attention import unified_attention
 
@@ -90,6 +93,14 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=q.dtype, device=q.device)
         for part in metadata.parts:
             s, e = part.token_start, part.token_end
+            if part.max_query_len > 1 and gluon_prefill_takes(
+                q, key_cache, value_cache, window=layer.window, alibi=layer.alibi_slopes,
+                sinks=layer.sinks, softcap=layer.softcap, k_scale=layer.k_scale,
+                v_scale=layer.v_scale, max_query_len=part.max_query_len,
+            ):
+                launch_prefill(q[s:e], key_cache, value_cache, out[s:e], part.block_table,
+                               part.query_start_loc, part.seq_lens, layer.scale)
+                continue
             unified_attention(q[s:e], key_cache, value_cache, out[s:e], part.block_table, part.query_start_loc,
                               part.seq_lens, scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes,
                               sinks=layer.sinks, softcap=layer.softcap, k_scale=layer.k_scale,
