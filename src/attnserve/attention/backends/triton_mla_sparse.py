@@ -28,6 +28,7 @@ from attnserve.attention.backend import AttentionBackend
 from attnserve.attention.backends.torch_mla_sparse import write_and_attend, write_indexer_rows
 from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
 from attnserve.attention.metadata import CommonAttentionMetadata
+from attnserve.ops.gluon_mla_sparse import sparse_gluon_takes, sparse_mla_gluon
 from attnserve.ops.triton_indexer import lightning_indexer_topk
 from attnserve.ops.triton_mla_sparse import sparse_mla
 from attnserve.platforms import to_device
@@ -149,8 +150,10 @@ class TritonMLASparseBackend(AttentionBackend):
         w_kv_b = layer.w_kv_b.to(q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1], w_kv_b.shape[1] - d_nope)
         for a, b in _chunks(0, q.shape[0], q.shape[1] * (rank + rope)):
-            u = sparse_mla(
-                absorb_query(q[a:b], w_kv_b, d_nope), cache, metadata.block_table,
+            q_abs = absorb_query(q[a:b], w_kv_b, d_nope)  # [rows, H, L + R]
+            attend = sparse_mla_gluon if sparse_gluon_takes(q_abs, cache, rank) else sparse_mla
+            u = attend(
+                q_abs, cache, metadata.block_table,
                 metadata.seq_lens, topk_indices[a:b], metadata.token_req[a:b],
                 kv_lora_rank=rank, scale=layer.scale,
             )  # fmt: skip
