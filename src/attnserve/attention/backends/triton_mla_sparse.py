@@ -13,7 +13,9 @@ docstring defines the two calls a sparse layer makes:
    selection is a set: attention does not depend on its order).
 2. ``forward(..., topk_indices=...)``: stores the new latent rows, absorbs the queries and runs
    ``sparse_mla`` over each row's selected latent rows (decode and prefill rows alike, -1 slots
-   skipped, all -1 gives 0), then applies ``W_UV``.
+   skipped, all -1 gives 0), then applies ``W_UV``. On a Hopper GPU bf16 rank-512 latents at
+   64+ heads go to the Gluon kernel instead (``ops/gluon_mla_sparse``, ``sparse_gluon_takes``;
+   ``ATTNSERVE_GLUON=0`` keeps Triton).
 
 Not here: the kernels (``ops/triton_indexer.py``, ``ops/triton_mla_sparse.py``), the projections and RoPE.
 """
