@@ -67,6 +67,7 @@ from ceilings import NOMINAL_BW, fractions, measure_ceilings  # noqa: E402
 from gpu_attention_report import print_tables  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from attnserve.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
 from attnserve.ops.gluon_attention import gluon_prefill_takes, launch_prefill  # noqa: E402
 from attnserve.ops.triton_kv_write import write_kv_cache  # noqa: E402
@@ -136,6 +137,9 @@ def paged_batch(
 
 
 def run_ours(b: dict, out: torch.Tensor, **features) -> torch.Tensor:
+    """``unified_attention`` as TRITON_ATTN calls it: split decodes merged the backend's way
+    (``split_merge``) unless ``features`` say otherwise."""
+    features.setdefault("merge", TritonAttentionBackend.split_merge)
     qsl, lens = b["query_start_loc"], b["seq_lens"]
     return unified_attention(
         b["q"],
@@ -166,6 +170,7 @@ def check_attention() -> list[dict]:
     mixed = ([1, 1, 1, 37, 200], [mid, 17, long, 300, 200])
     cases = [
         ("decode_split", ([1] * 4, [mid, 1, short, long]), {}, {}),
+        ("decode_split_last", ([1] * 4, [mid, 1, short, long]), {"merge": "last_split"}, {}),
         ("mixed", mixed, {}, {}),
         ("window", mixed, {"window": 100}, {}),
         ("alibi", mixed, {"alibi": alibi_slopes(HEADS).to(DEV)}, {}),
@@ -192,7 +197,7 @@ def check_attention() -> list[dict]:
             b["query_start_loc"],
             b["seq_lens"],
             scale=b["q"].shape[-1] ** -0.5,
-            **features,
+            **{k: v for k, v in features.items() if k != "merge"},
         )
         out = run_ours(b, torch.empty_like(ref), **features)
         err = rel_err(out, ref) if not out.isnan().any() else float("nan")

@@ -81,10 +81,11 @@ FAMILIES["deepseek_v3_h128"] = ("deepseek_v3", dict(FAMILIES["deepseek_v3"][1], 
 FAMILIES["llama_h128"] = ("llama", dict(DENSE, num_attention_heads=8, num_key_value_heads=2, head_dim=128))
 FAMILIES["deepseek_v3_r512"] = ("deepseek_v3", dict(FAMILIES["deepseek_v3"][1], num_attention_heads=128,
                                                     num_key_value_heads=128, kv_lora_rank=512,
-                                                    qk_rope_head_dim=64))
+                                                    qk_rope_head_dim=64, index_head_dim=128))
 # the sparse-MLA (DSA) and hybrid families of their CPU parity tests
 FAMILIES.update({f"dsa_{k}": v for k, v in DSA_FAMILIES.items()})
-# DeepSeek-V3.2 at the real latent width and 128 heads: the sparse Gluon kernel's class
+# DeepSeek-V3.2 at the real latent width and 128 heads: the sparse Gluon kernel's class (the
+# indexer head must hold the 64 rope dimensions)
 FAMILIES["dsa_v32_r512"] = ("deepseek_v32", dict(DSA_FAMILIES["v32"][1], num_attention_heads=128,
                                                  num_key_value_heads=128, kv_lora_rank=512,
                                                  qk_rope_head_dim=64))

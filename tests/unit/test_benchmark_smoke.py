@@ -83,10 +83,10 @@ def test_gpu_attention_prefill_only_times_one_shape_without_checks(tmp_path):
 
 
 def test_gpu_attention_only_checks_times_nothing_and_a_failure_exits_1(tmp_path):
-    """Only the window check meets a wrong twin: it fails, the rest pass, nothing is timed (no
+    """Only the window check meets a wrong twin: it fails, the other 13 pass, nothing is timed (no
     ceilings either), and the run exits 1."""
     code, got = run_gpu_attention(tmp_path, ["--only", "checks"], twin_off="window")
-    assert code == 1 and got["checks_ok"] is False and len(got["checks"]) == 13
+    assert code == 1 and got["checks_ok"] is False and len(got["checks"]) == 14
     assert [c["case"] for c in got["checks"] if not c["ok"]] == ["window"]
     assert (got["only"], got["rows"], got["ceilings"], got["prefill_tokens"]) == (["checks"], [], None, [])
 
