@@ -7,7 +7,9 @@
    <= 2e-2``, and the empty request's row must be exactly 0.
 2. Timing, 128 heads, page 64, bf16: (batch, context) = (64, 8K), (8, 32K), (32, 64K), (1, 16K),
    ``mla_decode_gluon`` against ``mla_decode`` with ``MLAConfig(64, 64, 8, 2, tma=True)`` (the
-   current default), both with their default splits, by ``gpu_mla.timer`` (one CUDA graph over
+   current default), both with their default splits; ``--heads 16`` (or 32: the Gluon kernel
+   pads its rows to 64) at (1, 64K), (8, 64K), (32, 64K), (128, 16K), (128, 64K) against
+   ``mla_decode``'s default for those heads, with % of the copy bandwidth, by ``gpu_mla.timer`` (one CUDA graph over
    rotated input sets that overflow L2, ``do_bench`` median): us, TFLOP/s (2 B H S 1088), and
    the rel errors of the Gluon output against the Triton one (all rows) and of both against
    the twin (row 0).
@@ -16,7 +18,7 @@
 interpreter, so the Gluon kernel is skipped (its input checks still run); the twin and the
 Triton kernel (Triton's interpreter) do run. One command, under 2 minutes on the H200:
 
-    python benchmarks/gpu_mla_gluon.py [--smoke]
+    python benchmarks/gpu_mla_gluon.py [--heads 128,16] [--smoke]
 
 Writes ``$OUT/gpu_mla_gluon.json`` when ``OUT`` is set; exits 1 when a check fails.
 """
@@ -55,6 +57,10 @@ REL_TOL = 2e-2
 TRITON = MLAConfig(64, 64, 8, 2, tma=True)
 FULL = dict(heads=128, check_lens=(0, 1, 63, 64, 65, 1000, 4097), check_splits=(1, 4, None),
             shapes=((64, 8192), (8, 32768), (32, 65536), (1, 16384)))  # fmt: skip
+# fewer than 64 heads (DeepSeek-V2-Lite, V3 over 8 GPUs): the kernel pads its rows to 64; the
+# Triton kernel it is timed against is mla_decode's default for those heads (what TRITON_MLA runs)
+FEW = dict(FULL, shapes=((1, 65536), (8, 65536), (32, 65536), (128, 16384), (128, 65536)))
+COPY_BW = 4.25e12  # bytes/s, the H200's measured copy ceiling (% of BW in the few-heads table)
 SMOKE = dict(heads=64, check_lens=(0, 1, 65), check_splits=(1,), shapes=((1, 128),))
 SKIP_GLUON = "smoke: Gluon has no interpreter, mla_decode_gluon is skipped (run on a Hopper GPU)"
 
@@ -108,13 +114,16 @@ def time_shape(batch: int, ctx: int, heads: int, dev: str) -> dict:
     data = [dense_inputs(batch, heads, ctx, False) for _ in range(sets)]
     kw = dict(kv_lora_rank=512, scale=SCALE, max_seq_len=ctx)
 
+    config = TRITON if heads >= 64 else None
+
     def triton_call(d):
-        return mla_decode(d["q"], d["cache"], d["table"], d["lens"], config=TRITON, **kw)
+        return mla_decode(d["q"], d["cache"], d["table"], d["lens"], config=config, **kw)
 
     def gluon_call(d):
         return mla_decode_gluon(d["q"], d["cache"], d["table"], d["lens"], **kw)
 
     flops = mla_flops(batch, heads, ctx)
+    row["bytes"] = batch * ctx * 1152 + batch * heads * (576 + 512) * 2
     t, graph = timer([lambda d=d: triton_call(d) for d in data])
     row.update(triton_us=t * 1e6, triton_tflops=flops / t / 1e12, graph=graph)
     d = data[0]
@@ -140,13 +149,23 @@ def fmt(x, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def bw_cell(r: dict) -> str:
+    """% of the copy bandwidth, Triton -> Gluon (memory-bound shapes: few heads)."""
+    pct = [100 * r["bytes"] / (r[k] * 1e-6) / COPY_BW for k in ("triton_us", "gluon_us") if k in r]
+    return " -> ".join(f"{p:.1f}%" for p in pct)
+
+
 def print_table(checks: list[dict], rows: list[dict]) -> None:
     print(f"\nchecks against the float32 twin (max|out-ref|/max|ref|, bound {REL_TOL:.0e}):")
     for c in checks:
         print(f"  {c['case']:>20}: {fmt(c['rel_err'], '.2e')} {'ok' if c['ok'] else 'FAIL'} "
               f"{c.get('note', '')}")  # fmt: skip
-    print_timing(rows, f"dense MLA decode, {rows[0]['heads'] if rows else '-'} heads, page 64, "
-                       f"bf16; Triton {TRITON}")  # fmt: skip
+    for heads in sorted({r["heads"] for r in rows}, reverse=True):
+        few = heads < 64
+        print_timing([r for r in rows if r["heads"] == heads],
+                     f"dense MLA decode, {heads} heads, page 64, bf16; Triton "
+                     f"{'mla_decode default' if few else TRITON}",
+                     ("% of BW (4.25 TB/s)", bw_cell))  # fmt: skip
 
 
 def print_timing(rows: list[dict], title: str, extra: tuple | None = None) -> None:
@@ -172,7 +191,9 @@ def print_timing(rows: list[dict], title: str, extra: tuple | None = None) -> No
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes, Gluon kernel skipped")
+    ap.add_argument("--heads", default="128", help="comma list: 128 (and 64+), 16 or 32 (padded)")
     args = ap.parse_args()
+    heads_list = [int(h) for h in args.heads.split(",")]
     if args.smoke:
         gpu_mla.DEV, sizes = "cpu", SMOKE
     elif not torch.cuda.is_available():
@@ -183,14 +204,19 @@ def main() -> int:
     dev = gpu_mla.DEV
     start = time.perf_counter()
     torch.manual_seed(0)
-    checks = [check_gluon(sizes["heads"], sizes["check_lens"], sp, dev)
-              for sp in sizes["check_splits"]]  # fmt: skip
+    if args.smoke:
+        heads_list = [sizes["heads"]]
+    checks, rows = [], []
+    for heads in heads_list:
+        checks += [check_gluon(heads, sizes["check_lens"], sp, dev)
+                   for sp in sizes["check_splits"]]  # fmt: skip
     for c in checks:
         print(json.dumps(c), flush=True)
-    rows = []
-    for batch, ctx in sizes["shapes"]:
-        rows.append(time_shape(batch, ctx, sizes["heads"], dev))
-        print(json.dumps(rows[-1]), flush=True)
+    for heads in heads_list:
+        shapes = FEW["shapes"] if heads < 64 and not args.smoke else sizes["shapes"]
+        for batch, ctx in shapes:
+            rows.append(time_shape(batch, ctx, heads, dev))
+            print(json.dumps(rows[-1]), flush=True)
     print_table(checks, rows)
     device = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)"
     result = dict(device=device, torch=torch.__version__, triton_config=str(TRITON),

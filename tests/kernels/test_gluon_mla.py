@@ -43,7 +43,7 @@ def _inputs(rows=2, heads=128, device="cpu", blocks=4, **over):
     [
         (dict(kv_lora_rank=256), "kv_lora_rank 512"),
         (dict(q=torch.zeros(2, 128, 320, dtype=torch.bfloat16)), r"q must be \[rows, heads, 576\]"),
-        (dict(q=torch.zeros(2, 96, 576, dtype=torch.bfloat16)), "multiple of 64"),
+        (dict(q=torch.zeros(2, 96, 576, dtype=torch.bfloat16)), "multiple of 64 or fewer"),
         (dict(q=torch.zeros(2, 128, 576, dtype=torch.float16)), "bf16"),
         (dict(latent_cache=torch.zeros(4, 32, 576, dtype=torch.bfloat16)), r"\[blocks, 64, 576\]"),
         (dict(latent_cache=torch.zeros(4, 64, 656, dtype=torch.uint8)), r"\[blocks, 64, 576\]"),
@@ -72,7 +72,8 @@ def test_entry_point_checks_before_launching():
         ({}, True),
         (dict(kv_lora_rank=256), False),
         (dict(q=torch.zeros(2, 96, 576, dtype=torch.bfloat16)), False),
-        (dict(q=torch.zeros(2, 16, 576, dtype=torch.bfloat16)), False),  # 16 heads: Triton
+        (dict(q=torch.zeros(2, 16, 576, dtype=torch.bfloat16)), True),  # rows padded to 64
+        (dict(q=torch.zeros(2, 32, 576, dtype=torch.bfloat16)), True),
         (dict(q=torch.zeros(2, 128, 576, dtype=torch.float16)), False),
         (dict(latent_cache=torch.zeros(4, 16, 576, dtype=torch.bfloat16)), False),  # page 16
         (dict(latent_cache=torch.zeros(4, 64, 656, dtype=torch.uint8)), False),  # fp8 rows
@@ -114,14 +115,15 @@ table = torch.zeros(3, 8, dtype=torch.int32)
 lens = torch.zeros(3, dtype=torch.int32)
 for splits in (1, 4):
     gm._launch(q, cache, table, lens, 0.1352, 512, None, splits)
+gm._launch(q[:, :16], cache, table, lens, 0.1352, 512, None, 4)  # 16 heads: padding rows
 """
 
 
 def test_kernel_compiles_for_sm90_without_spills():
     infos = compile_for_sm90(_LAUNCHES, ptxas=True)
     gluon = [i for i in infos if i["kernel"] == "_mla_decode_gluon_kernel"]
-    assert [i["kernel"] for i in infos].count("_merge_kernel") == 1
-    assert len(gluon) == 2, infos
+    assert "_merge_kernel" in [i["kernel"] for i in infos]
+    assert len(gluon) == 3, infos  # unsplit, split, split at 16 heads
     for info in gluon:
         assert info["spill"] == 0, info
         assert info["shared"] <= 227 * 1024, info  # Q, two page stages, P: ~225 KB
@@ -157,17 +159,18 @@ def _nan_cache(lens, seed):
     reason="the Gluon kernel runs on Hopper GPUs only",
 )
 @pytest.mark.parametrize("splits", [1, 4, None])
-def test_matches_twin_on_hopper(splits):
+@pytest.mark.parametrize("heads", [128, 16])
+def test_matches_twin_on_hopper(splits, heads):
     lens = [0, 1, 63, 64, 65, 1000, 4097]
     cache, table = _nan_cache(lens, seed=1)
-    q = torch.randn(len(lens), 128, 576, generator=torch.Generator().manual_seed(2))
+    q = torch.randn(len(lens), heads, 576, generator=torch.Generator().manual_seed(2))
     q = q.bfloat16().float()  # the kernel reads bf16 queries
     pos = torch.full((len(lens), max(lens)), -1, dtype=torch.int32)
     for i, n in enumerate(lens):
         pos[i, :n] = torch.arange(n)
     ref = sparse_mla_attention(q, cache, table, pos, kv_lora_rank=512, scale=SCALE)
     dev = torch.device("cuda")
-    out = torch.full((len(lens), 128, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    out = torch.full((len(lens), heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
     mla_decode_gluon(q.to(dev, torch.bfloat16), cache.to(dev), table.to(dev),
                      torch.tensor(lens, dtype=torch.int32, device=dev), kv_lora_rank=512,
                      scale=SCALE, max_seq_len=max(lens), out=out, num_splits=splits)  # fmt: skip

@@ -1,8 +1,9 @@
 """Absorbed MLA decode at 64+ heads as a Gluon (``triton.experimental.gluon``) Hopper kernel.
 
 The contract of ``ops/triton_mla.mla_decode`` restricted to the DeepSeek shape: bf16 queries and
-latent rows (``kv_lora_rank`` 512 + rope 64), 64-row pages, heads a multiple of 64, one query
-row per request. A program (8 warps: two warp groups) owns 64 heads of one request and walks its
+latent rows (``kv_lora_rank`` 512 + rope 64), 64-row pages, heads a multiple of 64 or fewer
+than 64 (16 or 32: DeepSeek-V2-Lite, V3 split over GPUs; the program's other rows are padding,
+zero queries whose outputs are never stored), one query row per request. A program (8 warps: two warp groups) owns 64 heads of one request and walks its
 pages, one page a key tile; long contexts are split over programs (split-KV) whose partials
 ``triton_mla.merge_splits`` combines, in the same [rows, heads, splits, L] fp32 + lse (log2)
 layout as ``prepare_latent_launch``.
@@ -50,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from attnserve import env
-from attnserve.ops.triton_mla import LOG2E, MLAConfig, prepare_latent_launch
+from attnserve.ops.triton_mla import LOG2E, MLAConfig, pick_mla_splits, prepare_latent_launch
 
 __all__ = ["KV_LORA_RANK", "PAGE", "ROPE", "check_gluon_inputs", "gluon_takes", "in_gluon_class",
            "mla_decode_gluon"]
@@ -140,17 +141,28 @@ def _store_p(p_smem, p):
 
 
 @gluon.jit
-def _load_q(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, stride_qt, stride_qh,
-            LAYOUT: gl.constexpr):
-    """The program's 64 absorbed query rows [c ; rope] into shared memory, by plain loads."""
+def _load_q_heads(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, num_heads, stride_qt, stride_qh,
+                  LAYOUT: gl.constexpr):
+    """The program's 64 absorbed query rows [c ; rope] into shared memory, by plain loads; rows
+    of heads past ``num_heads`` (fewer than 64 heads: padding rows) are 0."""
     HALF: gl.constexpr = q0_smem.shape[1]
     heads = head0 + gl.arange(0, q0_smem.shape[0], layout=gl.SliceLayout(1, LAYOUT))
     rows = q_ptr + seq.to(gl.int64) * stride_qt + heads * stride_qh  # [64] row pointers
     dh = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT))
     dr = gl.arange(0, qpe_smem.shape[1], layout=gl.SliceLayout(0, LAYOUT))
-    q0_smem.store(gl.load(rows[:, None] + dh[None, :]))
-    q1_smem.store(gl.load(rows[:, None] + HALF + dh[None, :]))
-    qpe_smem.store(gl.load(rows[:, None] + 2 * HALF + dr[None, :]))
+    mh = (heads < num_heads)[:, None] & (dh < HALF)[None, :]
+    mr = (heads < num_heads)[:, None] & (dr < qpe_smem.shape[1])[None, :]
+    q0_smem.store(gl.load(rows[:, None] + dh[None, :], mask=mh, other=0.0))
+    q1_smem.store(gl.load(rows[:, None] + HALF + dh[None, :], mask=mh, other=0.0))
+    qpe_smem.store(gl.load(rows[:, None] + 2 * HALF + dr[None, :], mask=mr, other=0.0))
+
+
+@gluon.jit
+def _load_q(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, stride_qt, stride_qh,
+            LAYOUT: gl.constexpr):
+    """The program's 64 absorbed query rows, all of them heads (64+ heads, a multiple of 64)."""
+    _load_q_heads(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, head0 + q0_smem.shape[0],
+                  stride_qt, stride_qh, LAYOUT)
 
 
 @gluon.jit
@@ -165,20 +177,21 @@ def _store_out(out_ptr, part_out_ptr, part_lse_ptr, acc0, acc1, m_i, l_part, seq
     inv = gl.where(l_o > 0.0, 1.0 / gl.where(l_o > 0.0, l_o, 1.0), 0.0)[:, None]
     heads = head0 + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, O_LAYOUT))
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT))
+    keep = (heads < num_heads)[:, None] & (cols < HALF)[None, :]  # padding rows are not stored
     if SPLIT:
         part = (seq.to(gl.int64) * num_heads + heads) * num_splits + split
         dst = part_out_ptr + part[:, None] * (2 * HALF) + cols[None, :]
-        gl.store(dst, acc0 * inv)
-        gl.store(dst + HALF, acc1 * inv)
+        gl.store(dst, acc0 * inv, mask=keep)
+        gl.store(dst + HALF, acc1 * inv, mask=keep)
         heads_s = head0 + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, S_LAYOUT))
         part_s = (seq.to(gl.int64) * num_heads + heads_s) * num_splits + split
         lse = gl.where(l_sum > 0.0, m_i + gl.log2(gl.where(l_sum > 0.0, l_sum, 1.0)), float("-inf"))
-        gl.store(part_lse_ptr + part_s, lse)
+        gl.store(part_lse_ptr + part_s, lse, mask=heads_s < num_heads)
     else:
         dst = out_ptr + seq.to(gl.int64) * stride_ot + heads[:, None] * stride_oh + cols[None, :]
         dt: gl.constexpr = out_ptr.dtype.element_ty
-        gl.store(dst, (acc0 * inv).to(dt))
-        gl.store(dst + HALF, (acc1 * inv).to(dt))
+        gl.store(dst, (acc0 * inv).to(dt), mask=keep)
+        gl.store(dst + HALF, (acc1 * inv).to(dt), mask=keep)
 
 
 @gluon.jit(do_not_specialize=("num_splits", "stride_bt"),  # per step: no variant per class
@@ -219,7 +232,8 @@ def _mla_decode_gluon_kernel(q_ptr, kv_desc, pe_desc, out_ptr, part_out_ptr, par
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
-    _load_q(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, stride_qt, stride_qh, LD_LAYOUT)
+    _load_q_heads(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, num_heads, stride_qt, stride_qh,
+                  LD_LAYOUT)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -286,8 +300,9 @@ def check_gluon_inputs(
         raise ValueError(f"mla_decode_gluon takes kv_lora_rank {KV_LORA_RANK}, got {kv_lora_rank}")
     if q.dim() != 3 or q.shape[2] != KV_LORA_RANK + ROPE:
         raise ValueError(f"q must be [rows, heads, {KV_LORA_RANK + ROPE}], got {tuple(q.shape)}")
-    if q.shape[1] == 0 or q.shape[1] % HEADS_PER_PROGRAM:
-        raise ValueError(f"heads must be a multiple of {HEADS_PER_PROGRAM}, got {q.shape[1]}")
+    if not _heads_fit(q.shape[1]):
+        raise ValueError(f"heads must be a multiple of {HEADS_PER_PROGRAM} or fewer, got "
+                         f"{q.shape[1]}")  # fmt: skip
     if q.shape[0] > _MAX_GRID_Y:
         raise ValueError(f"at most {_MAX_GRID_Y} query rows a launch, got {q.shape[0]}")
     want = (PAGE, KV_LORA_RANK + ROPE)
@@ -315,6 +330,12 @@ def check_gluon_inputs(
         raise ValueError(f"mla_decode_gluon runs on Hopper (sm_90) GPUs, not {q.device}")
 
 
+def _heads_fit(heads: int) -> bool:
+    """64 heads a program: a multiple of 64, or fewer heads in one program whose other rows
+    are padding (zero queries, never stored)."""
+    return 0 < heads < HEADS_PER_PROGRAM or (heads > 0 and heads % HEADS_PER_PROGRAM == 0)
+
+
 @functools.lru_cache(maxsize=16)
 def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
@@ -326,8 +347,7 @@ def in_gluon_class(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: in
     return (
         kv_lora_rank == KV_LORA_RANK
         and q.dim() == 3
-        and q.shape[1] > 0
-        and q.shape[1] % HEADS_PER_PROGRAM == 0
+        and _heads_fit(q.shape[1])
         and q.shape[2] == KV_LORA_RANK + ROPE
         and q.shape[0] <= _MAX_GRID_Y
         and q.stride(-1) == 1
@@ -365,6 +385,12 @@ def _descriptors(latent_cache: torch.Tensor) -> tuple[TensorDescriptor, TensorDe
 def _launch(q, latent_cache, block_table, seq_lens, scale, max_seq_len, out, num_splits):
     """The launch itself, for inputs ``check_gluon_inputs`` passed (the sm_90 compile test
     records it on CPU tensors)."""
+    if num_splits is None and q.shape[1] < HEADS_PER_PROGRAM:
+        # padded rows: memory-bound, so one wave of programs (one a SM: ~225 KB of shared
+        # memory each) with up to 256 splits of at least 256 keys (a split's [heads, 512] fp32
+        # partial is then under 1/9 of its keys' bytes at 16 heads)
+        num_splits = pick_mla_splits(q.shape[0], max_seq_len, q.device, min_keys=256,
+                                     one_wave=True)  # fmt: skip
     launch = prepare_latent_launch(
         q, latent_cache, KV_LORA_RANK, max_seq_len, out, num_splits, _SHAPE
     )
@@ -398,14 +424,16 @@ def mla_decode_gluon(
     """Absorbed MLA decode (``triton_mla.mla_decode``'s contract) by the Gluon kernel.
 
     Args:
-        q: [B, H, 576] bf16 absorbed queries ``[W_UK^T q_nope ; q_pe]``, H a multiple of 64.
+        q: [B, H, 576] bf16 absorbed queries ``[W_UK^T q_nope ; q_pe]``, H a multiple of 64
+            or fewer than 64 (padded).
         latent_cache: [num_blocks, 64, 576] bf16, contiguous; block 0 is the null block.
         block_table: [B, max_blocks] int32; seq_lens: [B] int32 (0: the row's output is 0).
         kv_lora_rank: must be 512; scale: softmax scale.
         max_seq_len: host-side bound of ``seq_lens`` (sizes the default splits; no sync).
         out: [B, H, 512] written in place; default a new bf16 tensor.
         num_splits: key splits per (request, head block); default ``pick_mla_splits`` (one
-            wave of programs, as ``mla_decode`` at 64+ heads).
+            wave of programs: as ``mla_decode`` at 64+ heads, up to 256 splits of 256+ keys
+            below 64 heads).
     Returns:
         ``out``: u = softmax(scale * q . rows) @ c_kv per head.
     Raises:

@@ -8,8 +8,8 @@ recomputed after a prefix-cache hit, a short prompt) run in the absorbed ("MQA")
 launch: each of their query rows becomes ``[W_UK^T q_nope ; q_pe]`` here, and
 ``ops/triton_mla.mla_decode`` attends it over its request's raw latent rows as a decode row
 that sees its causal key count (split-KV on long contexts), after which ``W_UV`` maps ``u`` to
-per-head values. On a Hopper GPU the DeepSeek class (bf16, 64+ heads, rank 512, 64-row pages)
-goes to the Gluon kernel instead (``ops/gluon_mla``, ``gluon_takes``; ``ATTNSERVE_GLUON=0``
+per-head values. On a Hopper GPU the DeepSeek class (bf16, rank 512, 64-row pages; 64+ heads,
+or fewer padded to 64 rows) goes to the Gluon kernel instead (``ops/gluon_mla``, ``gluon_takes``; ``ATTNSERVE_GLUON=0``
 keeps Triton). Longer prefills keep TORCH_MLA's expanded PyTorch path, one request at a time.
 The per-row metadata is built once per step in ``build_metadata`` (device tensors plus host
 bounds: no sync in ``forward``); a decode-only batch builds only slices of the common tensors,
