@@ -1,4 +1,8 @@
-"""H200 benchmark of the Triton MLA kernels: dense decode, sparse MLA and the DSA indexer.
+"""H200 benchmark of the MLA kernels: dense decode, sparse MLA and the DSA indexer.
+
+Dense and sparse rows time the kernel the MLA backends launch for the shape (the Gluon kernels
+on Hopper where they take it, ``kernel`` "gluon"; else Triton's); the sparse prefill also times
+the Triton kernel on the same inputs (``triton_us``); the sweep times Triton's configs.
 
 1. Checks, bf16 against the float32 PyTorch twins (``attention/reference_mla.py``), bound
    ``max|out - ref| / max|ref| <= 2e-2``: dense decode (bf16 / fp8 rows, automatic and forced
@@ -65,6 +69,8 @@ from attnserve.kvcache.fp8 import (  # noqa: E402
     mla_fp8_views,
     quantize_act_fp8,
 )
+from attnserve.ops.gluon_mla import gluon_takes, mla_decode_gluon  # noqa: E402
+from attnserve.ops.gluon_mla_sparse import sparse_gluon_takes, sparse_mla_gluon  # noqa: E402
 from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
 from attnserve.ops.triton_mla_sparse import (  # noqa: E402
     IndexerConfig,
@@ -340,16 +346,30 @@ def time_latent(kind: str, batch: int, heads: int, ctx: int, fp8: bool, config=N
     if sets == 0:
         return {**row, "skipped": "does not fit in memory"}
     data = [dense_inputs(batch, heads, ctx, fp8, sparse) for _ in range(sets)]
-    opts = dict(kv_lora_rank=S.rank, scale=SCALE, config=config)
+    opts = dict(kv_lora_rank=S.rank, scale=SCALE)
+    kernel, fn = engine_kernel(data[0]["q"], data[0]["cache"], sparse, config)
+    if kernel == "triton":
+        opts["config"] = config
     if sparse:
-        calls = [lambda d=d: sparse_mla(d["q"], d["cache"], d["table"], d["lens"], d["idx"],
-                                        d["req"], **opts) for d in data]  # fmt: skip
+        calls = [lambda d=d: fn(d["q"], d["cache"], d["table"], d["lens"], d["idx"], d["req"],
+                                **opts) for d in data]  # fmt: skip
     else:
-        calls = [lambda d=d: mla_decode(d["q"], d["cache"], d["table"], d["lens"],
-                                        max_seq_len=ctx, **opts) for d in data]  # fmt: skip
+        calls = [lambda d=d: fn(d["q"], d["cache"], d["table"], d["lens"], max_seq_len=ctx,
+                                **opts) for d in data]  # fmt: skip
     t, graph = timer(calls)
     del data, calls
-    return rates(row, t, moved, mla_flops(batch, heads, keys), graph)
+    return rates({**row, "kernel": kernel}, t, moved, mla_flops(batch, heads, keys), graph)
+
+
+def engine_kernel(q: torch.Tensor, cache: torch.Tensor, sparse: bool, config=None):
+    """("gluon" | "triton", the function) the MLA backends launch for these inputs; a sweep's
+    explicit ``config`` always times the Triton kernel."""
+    if config is None:
+        if sparse and sparse_gluon_takes(q, cache, S.rank):
+            return "gluon", sparse_mla_gluon
+        if not sparse and gluon_takes(q, cache, S.rank):
+            return "gluon", mla_decode_gluon
+    return "triton", sparse_mla if sparse else mla_decode
 
 
 def time_dense_peer(batch: int, heads: int, ctx: int) -> dict:
@@ -378,12 +398,15 @@ def time_sparse_prefill() -> dict:
     lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
     out = torch.empty(rows, heads, S.rank, device=DEV, dtype=torch.bfloat16)
 
-    def call():
-        return sparse_mla(q, cache, table, lens, idx, req, kv_lora_rank=S.rank, scale=SCALE,
-                          out=out)  # fmt: skip
+    kernel, fn = engine_kernel(q, cache, True)
+
+    def call(fn=fn):
+        return fn(q, cache, table, lens, idx, req, kv_lora_rank=S.rank, scale=SCALE, out=out)
 
     t, graph = timer([call], rep_ms=200)
-    row = {"kind": "sparse_prefill", "rows": rows, "ctx": ctx, "heads": heads}
+    row = {"kind": "sparse_prefill", "rows": rows, "ctx": ctx, "heads": heads, "kernel": kernel}
+    if kernel != "triton":  # the kernel it replaced, same inputs
+        row["triton_us"] = timer([lambda: call(sparse_mla)], rep_ms=200)[0] * 1e6
     return rates(row, t, rows * S.topk * latent_bytes(False), mla_flops(rows, heads, S.topk), graph)
 
 

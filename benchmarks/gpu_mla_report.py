@@ -23,7 +23,7 @@ def print_tables(checks: list[dict], rows: list[dict], swept: list[dict], sizes,
     print("%cp: % of the measured copy bandwidth (%BW: of the nominal); %mm: % of the measured matmul rate")
     print(f"\ndense MLA decode (bf16 latent rows, page {S.page}); peer/o = SDPA time / ours")
     print(f"{'H':>4} {'B':>4} {'ctx':>6} {'us':>9} {'GB/s':>6} {'%cp':>5} {'%BW':>5} {'TFLOP/s':>7} {'%mm':>5} "
-          f"{'peer us':>9} {'peer/o':>6}")
+          f"{'peer us':>9} {'peer/o':>6} kernel")
     for r in (r for r in rows if r["kind"] == "dense"):
         if "skipped" in r:
             print(f"{r['heads']:>4} {r['batch']:>4} {r['ctx']:>6}  skipped: {r['skipped']}")
@@ -31,16 +31,16 @@ def print_tables(checks: list[dict], rows: list[dict], swept: list[dict], sizes,
         peer = r["peer_us"] / r["us"] if r.get("peer_us") else None
         print(f"{r['heads']:>4} {r['batch']:>4} {r['ctx']:>6} {r['us']:>9.1f} {r['gbps']:>6.0f} "
               f"{r['pct_bw_measured']:>5.1f} {r['pct_bw']:>5.1f} {r['tflops']:>7.1f} {r['pct_flops_measured']:>5.1f} "
-              f"{fmt(r.get('peer_us')):>9} {fmt(peer, '.2f'):>6}")
+              f"{fmt(r.get('peer_us')):>9} {fmt(peer, '.2f'):>6} {r.get('kernel', '-')}")
     print(f"\nsparse MLA decode (batch {S.sparse_batch}, {S.many_heads} heads, top-k {S.topk}) vs dense decode, same cache")
-    print(f"{'ctx':>7} {'cache':>5} {'sparse us':>9} {'%cp':>5} {'TFLOP/s':>7} {'%mm':>5} {'dense us':>9} {'dense/sparse':>12}")
+    print(f"{'ctx':>7} {'cache':>5} {'sparse us':>9} {'%cp':>5} {'TFLOP/s':>7} {'%mm':>5} {'dense us':>9} {'dense/sparse':>12} kernel")
     for r in (r for r in rows if r["kind"] == "sparse_decode"):
         if "skipped" in r:
             print(f"{r['ctx']:>7}  skipped: {r['skipped']}")
             continue
         gain = r["dense_us"] / r["us"] if r.get("dense_us") else None
         print(f"{r['ctx']:>7} {'fp8' if r['fp8'] else 'bf16':>5} {r['us']:>9.1f} {r['pct_bw_measured']:>5.1f} "
-              f"{r['tflops']:>7.1f} {r['pct_flops_measured']:>5.1f} {fmt(r.get('dense_us')):>9} {fmt(gain, '.2f'):>12}")
+              f"{r['tflops']:>7.1f} {r['pct_flops_measured']:>5.1f} {fmt(r.get('dense_us')):>9} {fmt(gain, '.2f'):>12} {r.get('kernel', '-')}")
     print(f"\nlightning indexer decode ({S.idx_heads} heads x {S.idx_dim}): logits kernel, then torch.topk")
     print(f"{'B':>4} {'ctx':>7} {'keys':>5} {'logits us':>9} {'GB/s':>6} {'%cp':>5} {'%BW':>5} {'topk us':>8} "
           f"{'topk share':>10}")
@@ -53,7 +53,8 @@ def print_tables(checks: list[dict], rows: list[dict], swept: list[dict], sizes,
     for r in (r for r in rows if r["kind"] in ("sparse_prefill", "indexer_prefill")):
         print(f"{r['kind']}: {r.get('rows')} rows over {r.get('ctx')} keys: {fmt(r.get('us'))} us, "
               f"{fmt(r.get('tflops'))} TFLOP/s, {fmt(r.get('pct_flops_measured'))}% of the measured matmul rate "
-              f"({fmt(r.get('pct_flops'))}% of nominal)")
+              f"({fmt(r.get('pct_flops'))}% of nominal); {r.get('kernel', 'triton')} kernel"
+              + (f", Triton {r['triton_us']:.1f} us" if r.get("triton_us") else ""))
     for shape in dict.fromkeys(s["shape"] for s in swept):
         done = [s for s in swept if s["shape"] == shape and s.get("us")]
         if done:
