@@ -23,6 +23,10 @@ those. A watchdog ends the run with a traceback after ``--budget-s`` (a hung ker
 under 3 minutes on the H200:
 
     python benchmarks/gpu_prefill_gluon.py [--smoke] [--variants n128_s3_overlap] [--budget-s 175]
+        [--shapes 512,1024,8x512@1024] [--no-checks]
+
+``--shapes`` replaces the timed batches: ``N`` is one request of N tokens, ``RxQ@C`` R requests
+of Q new tokens after C cached ones (a varlen batch: TRITON_ATTN's prefill steps; no SDPA peer).
 
 Writes ``$OUT/gpu_prefill_gluon.json`` when ``OUT`` is set; exits 1 when a check fails.
 """
@@ -124,19 +128,47 @@ def check_case(q_lens, ctx_lens, page: int, sizes: dict, names, gluon: bool) -> 
     return rows
 
 
-def time_tokens(n: int, sizes: dict, names, gluon: bool, peers, mm_flops: float) -> dict:
-    """Every kernel at one request of n tokens (no context, page 16): TFLOP/s and % of mm."""
-    flops = 2 * n * n * sizes["head"] * sizes["heads"]
-    row = {"tokens": n, "flops": flops}
-    set_bytes = n * (2 * sizes["heads"] + 2 * sizes["kv_heads"]) * sizes["head"] * 2
+def parse_shape(text: str) -> tuple[list[int], list[int]]:
+    """"N" (one request of N new tokens) or "RxQ@C" (R requests of Q new tokens after C cached
+    ones): (q_lens, context lens)."""
+    reqs, _, rest = text.rpartition("x")
+    q, _, ctx = rest.partition("@")
+    try:
+        r, q_len, c = int(reqs or 1), int(q), int(ctx or 0)
+    except ValueError:
+        raise ValueError(f"bad shape {text!r}: want N or RxQ@C, e.g. 4096 or 8x512@1024") from None
+    if r < 1 or q_len < 1 or c < 0:
+        raise ValueError(f"bad shape {text!r}: requests and new tokens >= 1, context >= 0")
+    return [q_len] * r, [c] * r
+
+
+def shape_name(q_lens, ctx_lens) -> str:
+    if len(q_lens) == 1 and ctx_lens[0] == 0:
+        return str(q_lens[0])
+    return f"{len(q_lens)}x{q_lens[0]}@{ctx_lens[0]}"
+
+
+def time_tokens(shape, sizes: dict, names, gluon: bool, peers, mm_flops: float) -> dict:
+    """Every kernel on one batch (``parse_shape``; page 16): TFLOP/s and % of mm. The SDPA peers
+    run only for one request with no context (their inputs are one contiguous sequence)."""
+    q_lens, ctx_lens = shape
+    n = sum(q_lens)
+    pairs = sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, ctx_lens))  # causal (q, k) pairs
+    flops = 4 * pairs * sizes["head"] * sizes["heads"]
+    row = {"tokens": shape_name(q_lens, ctx_lens), "flops": flops}
+    keys = sum(q + c for q, c in zip(q_lens, ctx_lens))
+    set_bytes = (2 * n * sizes["heads"] + 2 * keys * sizes["kv_heads"]) * sizes["head"] * 2
     sets = num_sets(set_bytes, cap=2)
     if sets == 0:
         return {**row, "skipped": "does not fit in memory"}
     ga.PAGE = 16
-    data = [paged_batch([n], [n], head=sizes["head"], heads=sizes["heads"],
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    data = [paged_batch(q_lens, seq_lens, head=sizes["head"], heads=sizes["heads"],
                         kv_heads=sizes["kv_heads"], cache_dtype=sizes["dtype"]) for _ in range(sets)]  # fmt: skip
     for b in data:
-        b["max_q"], b["max_s"] = n, n
+        b["max_q"], b["max_s"] = max(max(q_lens), 2), max(seq_lens)
+    if len(q_lens) > 1 or ctx_lens[0]:
+        peers = None
     outs = [torch.empty_like(b["q"]) for b in data]
     base = call(unified_attention, data[0], torch.empty_like(data[0]["q"]))
     kernels = [("triton", unified_attention, {})]
@@ -185,13 +217,13 @@ def print_table(checks: list[dict], rows: list[dict], names, mm_flops: float) ->
         print(f"  FAIL {c['kernel']} {c['case']}: {fmt(c['rel_err'])} {c.get('note', '')[:200]}")
     cols = ["triton", *names, *PEERS]
     print(f"\ncausal prefill TFLOP/s (% of torch.mm {mm_flops / 1e12:.0f} TFLOP/s), one request")
-    print(f"{'tokens':>7} " + " ".join(f"{c[:16]:>16}" for c in cols))
+    print(f"{'tokens':>12} " + " ".join(f"{c[:16]:>16}" for c in cols))
     for r in rows:
         cells = []
         for c in cols:
             v = r.get(c)
             cells.append(f"{v['tflops']:>7.1f} ({v['pct_mm']:>4.1f}%)" if v else f"{'-':>16}")
-        print(f"{r['tokens']:>7} " + " ".join(f"{x:>16}" for x in cells))
+        print(f"{r['tokens']:>12} " + " ".join(f"{x:>16}" for x in cells))
     errs = [f"{k}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")]
     for e in errs:
         print(f"  {e}")
@@ -202,7 +234,13 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes, Gluon calls skipped")
     ap.add_argument("--variants", default=",".join(CONFIGS), help="comma list of CONFIGS names")
     ap.add_argument("--budget-s", type=float, default=175.0, help="watchdog: end a hung run")
+    ap.add_argument("--shapes", default="", help="comma list of N or RxQ@C (default 4K,16K,32K)")
+    ap.add_argument("--no-checks", action="store_true", help="timing only")
     args = ap.parse_args()
+    try:
+        shapes = [parse_shape(x) for x in args.shapes.split(",") if x]
+    except ValueError as exc:
+        ap.error(str(exc))
     names = [v for v in args.variants.split(",") if v]
     if unknown := [v for v in names if v not in CONFIGS]:
         ap.error(f"unknown variants {unknown}; choose from {', '.join(CONFIGS)}")
@@ -225,7 +263,7 @@ def main() -> int:
     for heads, kv_heads, dtype in sizes["groups"]:
         other = dict(sizes, heads=heads, kv_heads=kv_heads, dtype=dtype)
         cases.append((sizes["pages"][0], *sizes["checks"][-1], other, few))
-    for page, q_lens, ctx_lens, shape, which in cases:
+    for page, q_lens, ctx_lens, shape, which in [] if args.no_checks else cases:
         rows = check_case(q_lens, ctx_lens, page, shape, which, gluon)
         checks += rows
         cells = [f"{c['kernel']} {fmt(c['rel_err'])}{'' if c['ok'] else ' FAIL'}" for c in rows]
@@ -234,9 +272,10 @@ def main() -> int:
     ceilings = measure_ceilings(ga.DEV)
     ga.PREFILL_PEERS, peers = PEERS, peer_fns()  # bench_peers times the module's peer list
     rows = []
-    for n in sizes["tokens"]:
-        rows.append(time_tokens(n, sizes, names, gluon, peers, ceilings["matmul_flops"]))
+    for shape in shapes or [([n], [0]) for n in sizes["tokens"]]:
+        rows.append(time_tokens(shape, sizes, names, gluon, peers, ceilings["matmul_flops"]))
         r = rows[-1]
+        n = r["tokens"]
         cells = [f"{k} {v['tflops']:.0f}" for k, v in r.items() if isinstance(v, dict)]
         print(f"{n} tokens TFLOP/s: " + ", ".join(cells), flush=True)
         for name in names:  # the output against unified_attention's is a check too
