@@ -81,14 +81,14 @@ FAMILIES["deepseek_v3_h128"] = ("deepseek_v3", dict(FAMILIES["deepseek_v3"][1], 
 FAMILIES["llama_h128"] = ("llama", dict(DENSE, num_attention_heads=8, num_key_value_heads=2, head_dim=128))
 FAMILIES["deepseek_v3_r512"] = ("deepseek_v3", dict(FAMILIES["deepseek_v3"][1], num_attention_heads=128,
                                                     num_key_value_heads=128, kv_lora_rank=512,
-                                                    qk_rope_head_dim=64, index_head_dim=128))
+                                                    qk_rope_head_dim=64))
 # the sparse-MLA (DSA) and hybrid families of their CPU parity tests
 FAMILIES.update({f"dsa_{k}": v for k, v in DSA_FAMILIES.items()})
 # DeepSeek-V3.2 at the real latent width and 128 heads: the sparse Gluon kernel's class (the
 # indexer head must hold the 64 rope dimensions)
 FAMILIES["dsa_v32_r512"] = ("deepseek_v32", dict(DSA_FAMILIES["v32"][1], num_attention_heads=128,
                                                  num_key_value_heads=128, kv_lora_rank=512,
-                                                 qk_rope_head_dim=64))
+                                                 qk_rope_head_dim=64, index_head_dim=128))
 FAMILIES["qwen3_next"] = HYBRID_FAMILIES["qwen3_next"]
 FAMILIES["qwen3_5"] = HYBRID_FAMILIES["qwen3_5"]
 FAMILIES["qwen3_5_moe"] = HYBRID_FAMILIES["qwen3_5_moe"]

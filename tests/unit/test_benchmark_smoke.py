@@ -23,6 +23,7 @@ import ceilings  # noqa: E402
 
 SCRIPTS = {
     "gpu_attention": ["--smoke"],
+    "gpu_decode_breakdown": ["--smoke"],
     "gpu_gdn": ["--smoke"],
     "gpu_gemv": ["--smoke"],
     "gpu_graphs": ["--smoke"],
