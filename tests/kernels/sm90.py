@@ -92,6 +92,7 @@ for kernel, args, kwargs in calls:
         info["wgmma_a_regs"] = bool(re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", ptx))
         copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx)
         info["cp_async_bytes"] = sorted({int(n, 0) for n in copies})
+        info["e4m3_cvts"] = ptx.count("cvt.rn.f16x2.e4m3x2")
     print("compiled", json.dumps(info), flush=True)
 """
 
@@ -105,8 +106,9 @@ def compile_for_sm90(body: str, ptxas: bool = False) -> list[dict]:
         TTGIR), ``wgmma`` (the distinct instructions of the PTX), ``wgmma_waits`` (the pending
         counts of its ``wgmma.wait_group``s, sorted), ``tma_loads`` (its TMA load sites),
         ``setmaxnreg`` (the distinct register counts warp-specialized partitions set, sorted),
-        ``wgmma_a_regs`` (whether some wgmma takes its A operand from registers) and
-        ``cp_async_bytes`` (the distinct sizes of its non-bulk ``cp.async`` copies).
+        ``wgmma_a_regs`` (whether some wgmma takes its A operand from registers),
+        ``cp_async_bytes`` (the distinct sizes of its non-bulk ``cp.async`` copies) and
+        ``e4m3_cvts`` (its e4m3-pair conversions to f16).
     """
     # Triton's cache is keyed by the kernel source, so a cached compile is still a valid check.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

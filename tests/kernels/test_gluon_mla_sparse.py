@@ -144,11 +144,16 @@ def test_kernel_compiles_for_sm90_without_spills():
         assert info["cp_async_bytes"] == [16], info
 
 
-def _nan_cache(lens, page, seed):
-    """NaN-filled cache of ``page``-row blocks with each request's rows in shuffled blocks."""
+def _nan_cache(lens, page, seed, fp8=False):
+    """NaN-filled cache of ``page``-row blocks with each request's rows in shuffled blocks
+    (``fp8``: 656-byte rows, all bytes 0xFF: e4m3, scale and rope NaN)."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // page) for n in lens]
-    cache = torch.full((sum(blocks) + 1, page, 576), float("nan"), dtype=BF16)
+    shape = (sum(blocks) + 1, page, 656 if fp8 else 576)
+    if fp8:
+        cache = torch.full(shape, 255, dtype=torch.uint8)
+    else:
+        cache = torch.full(shape, float("nan"), dtype=BF16)
     table = torch.zeros(len(lens), max(max(blocks), 1), dtype=torch.int32)
     free = (torch.randperm(sum(blocks), generator=gen) + 1).tolist()
     for i, (n, b) in enumerate(zip(lens, blocks)):
@@ -161,13 +166,13 @@ def _nan_cache(lens, page, seed):
     return cache, table
 
 
-def _sparse_case(k, page, seed=3):
+def _sparse_case(k, page, seed=3, fp8=False):
     """Decode rows of three requests and four prefill rows of a fourth: row 0 all -1, row 1
     some -1 and some positions past its request's length, the rest random distinct picks."""
     lens = [700, 3000, 129, 2500]
     reqs = [0, 1, 2, 3, 3, 3, 3]
     gen = torch.Generator().manual_seed(seed)
-    cache, table = _nan_cache(lens, page, seed)
+    cache, table = _nan_cache(lens, page, seed, fp8)
     idx = torch.full((len(reqs), k), -1, dtype=torch.int32)
     for t, r in enumerate(reqs):
         pick = torch.randperm(lens[r] + 64, generator=gen)[:k]  # some past the length

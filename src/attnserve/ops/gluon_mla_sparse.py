@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma_wait
 
 from attnserve import env
+from attnserve.kvcache.fp8 import mla_fp8_row_bytes
 from attnserve.ops.gluon_mla import (
     _SHAPE,
     HEADS_PER_PROGRAM,
@@ -228,20 +229,27 @@ def _sparse_mla_gluon_kernel(q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_p
 # fmt: on
 
 
-def _class_problem(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
-    """What puts q and the cache outside the kernel's class, or None."""
+def _class_problem(
+    q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, fp8: bool = False
+) -> str | None:
+    """What puts q and the cache outside the kernel's class (``fp8``: the fp8-row kernel's,
+    ``ops/gluon_mla_sparse_fp8``), or None."""
     width = KV_LORA_RANK + ROPE
+    row = mla_fp8_row_bytes(KV_LORA_RANK, ROPE) if fp8 else width  # 656 bytes or 576 bf16
     if kv_lora_rank != KV_LORA_RANK:
-        return f"sparse_mla_gluon takes kv_lora_rank {KV_LORA_RANK}, got {kv_lora_rank}"
+        name = "sparse_mla_gluon_fp8" if fp8 else "sparse_mla_gluon"
+        return f"{name} takes kv_lora_rank {KV_LORA_RANK}, got {kv_lora_rank}"
     if q.dim() != 3 or q.shape[2] != width:
         return f"q must be [rows, heads, {width}], got {tuple(q.shape)}"
     if q.shape[1] == 0 or q.shape[1] % HEADS_PER_PROGRAM:
         return f"heads must be a multiple of {HEADS_PER_PROGRAM}, got {q.shape[1]}"
     if q.shape[0] > _MAX_GRID_Y:
         return f"at most {_MAX_GRID_Y} query rows a launch, got {q.shape[0]}"
-    if latent_cache.dim() != 3 or latent_cache.shape[2] != width or latent_cache.shape[1] < 1:
-        return f"latent cache must be [blocks, page, {width}], got {tuple(latent_cache.shape)}"
-    if q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16:
+    if latent_cache.dim() != 3 or latent_cache.shape[2] != row or latent_cache.shape[1] < 1:
+        return f"latent cache must be [blocks, page, {row}], got {tuple(latent_cache.shape)}"
+    if fp8 and (q.dtype != torch.bfloat16 or latent_cache.dtype != torch.uint8):
+        return f"bf16 q and uint8 fp8 rows only, got {q.dtype} and {latent_cache.dtype}"
+    if not fp8 and (q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16):
         return f"bf16 q and cache only, got {q.dtype} and {latent_cache.dtype}"
     if q.stride(-1) != 1 or not latent_cache.is_contiguous():
         return "q must be contiguous in its last dimension and the cache contiguous"
@@ -259,9 +267,11 @@ def check_sparse_gluon_inputs(
     token_req: torch.Tensor,
     kv_lora_rank: int,
     out: torch.Tensor | None,
+    fp8: bool = False,
 ) -> None:
-    """ValueError unless the inputs are in the class the kernel takes (see the module doc)."""
-    problem = _class_problem(q, latent_cache, kv_lora_rank)
+    """ValueError unless the inputs are in the class the kernel takes (see the module doc;
+    ``fp8``: the fp8-row kernel's class, ``ops/gluon_mla_sparse_fp8``)."""
+    problem = _class_problem(q, latent_cache, kv_lora_rank, fp8)
     if problem:
         raise ValueError(problem)
     rows = q.shape[0]
@@ -285,7 +295,8 @@ def check_sparse_gluon_inputs(
     if len(devices) != 1:
         raise ValueError(f"inputs on several devices: {sorted(map(str, devices))}")
     if q.device.type != "cuda" or not _is_hopper(q.device):
-        raise ValueError(f"sparse_mla_gluon runs on Hopper (sm_90) GPUs, not {q.device}")
+        name = "sparse_mla_gluon_fp8" if fp8 else "sparse_mla_gluon"
+        raise ValueError(f"{name} runs on Hopper (sm_90) GPUs, not {q.device}")
 
 
 def in_sparse_gluon_class(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:

@@ -14,8 +14,9 @@ docstring defines the two calls a sparse layer makes:
 2. ``forward(..., topk_indices=...)``: stores the new latent rows, absorbs the queries and runs
    ``sparse_mla`` over each row's selected latent rows (decode and prefill rows alike, -1 slots
    skipped, all -1 gives 0), then applies ``W_UV``. On a Hopper GPU bf16 rank-512 latents at
-   64+ heads go to the Gluon kernel instead (``ops/gluon_mla_sparse``, ``sparse_gluon_takes``;
-   ``ATTNSERVE_GLUON=0`` keeps Triton).
+   64+ heads go to the Gluon kernel instead (``ops/gluon_mla_sparse``, ``sparse_gluon_takes``),
+   fp8 latent rows to its fp8 twin (``ops/gluon_mla_sparse_fp8``, ``sparse_gluon_fp8_takes``);
+   ``ATTNSERVE_GLUON=0`` keeps Triton.
 
 Not here: the kernels (``ops/triton_indexer.py``, ``ops/triton_mla_sparse.py``), the projections and RoPE.
 """
@@ -31,6 +32,7 @@ from attnserve.attention.backends.torch_mla_sparse import write_and_attend, writ
 from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.ops.gluon_mla_sparse import sparse_gluon_takes, sparse_mla_gluon
+from attnserve.ops.gluon_mla_sparse_fp8 import sparse_gluon_fp8_takes, sparse_mla_gluon_fp8
 from attnserve.ops.triton_indexer import lightning_indexer_topk
 from attnserve.ops.triton_mla_sparse import sparse_mla
 from attnserve.platforms import to_device
@@ -154,6 +156,7 @@ class TritonMLASparseBackend(AttentionBackend):
         for a, b in _chunks(0, q.shape[0], q.shape[1] * (rank + rope)):
             q_abs = absorb_query(q[a:b], w_kv_b, d_nope)  # [rows, H, L + R]
             attend = sparse_mla_gluon if sparse_gluon_takes(q_abs, cache, rank) else sparse_mla
+            attend = sparse_mla_gluon_fp8 if sparse_gluon_fp8_takes(q_abs, cache, rank) else attend
             u = attend(
                 q_abs, cache, metadata.block_table,
                 metadata.seq_lens, topk_indices[a:b], metadata.token_req[a:b],
