@@ -71,6 +71,10 @@ from attnserve.kvcache.fp8 import (  # noqa: E402
 )
 from attnserve.ops.gluon_mla import gluon_takes, mla_decode_gluon  # noqa: E402
 from attnserve.ops.gluon_mla_sparse import sparse_gluon_takes, sparse_mla_gluon  # noqa: E402
+from attnserve.ops.gluon_mla_sparse_fp8 import (  # noqa: E402
+    sparse_gluon_fp8_takes,
+    sparse_mla_gluon_fp8,
+)
 from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
 from attnserve.ops.triton_mla_sparse import (  # noqa: E402
     IndexerConfig,
@@ -367,6 +371,8 @@ def engine_kernel(q: torch.Tensor, cache: torch.Tensor, sparse: bool, config=Non
     if config is None:
         if sparse and sparse_gluon_takes(q, cache, S.rank):
             return "gluon", sparse_mla_gluon
+        if sparse and sparse_gluon_fp8_takes(q, cache, S.rank):
+            return "gluon", sparse_mla_gluon_fp8
         if not sparse and gluon_takes(q, cache, S.rank):
             return "gluon", mla_decode_gluon
     return "triton", sparse_mla if sparse else mla_decode
