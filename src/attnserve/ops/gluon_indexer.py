@@ -11,11 +11,16 @@ keys, q as e4m3 values (``float8_e4m3fn``, rotated and quantised by ``lightning_
 Why: a key is a 132-byte row (128 e4m3 bytes, then its fp32 scale), only 4-byte aligned, so the
 Triton kernel's loads are 4 bytes wide and no TMA box can describe the rows. A whole page (64 x
 132 = 8448 bytes) is contiguous and 16-byte aligned, so a program copies whole pages with 16-byte
-``cp.async`` into a ring of ``STAGES`` raw page stages (``STAGES - 1`` pages in flight: 42 KB a
-program, about three programs an SM). A stage is a [33, 256]-byte buffer; the copy is a
-[32, 256] piece and the last 256 bytes. The same bytes read as [64 keys, 128] e4m3 through a
-padded shared layout (128 values, then 4 bytes skipped: the scale); the 64 scales come by 4-byte
-``cp.async`` (into a [64] fp32 stage, same commit group) from the same lines. Per page:
+``cp.async`` into a ring of ``STAGES`` page stages, ``STAGES - 1`` pages in flight. The ring has
+two views of the same bytes, whose stages are both 8448 bytes apart: a flat one of 256-byte rows
+(a page is 33; Gluon's async copy takes no padded layout, and a slice must start at a multiple of
+its power-of-two length, so a stage's rows go as up to 7 aligned pieces, ``_row_pieces``; the
+stage of a page is therefore static: the page loop is unrolled ``STAGES`` times), and a padded one
+that reads them as [64 keys, 128] e4m3 (128 values, then 4 bytes skipped: the scale). The 64
+scales come by 4-byte ``cp.async`` (into a [64] fp32 stage, same commit group) from the same
+lines. sm_90 compile at ``STAGES`` 3: 111 registers, no spills, 49.9 KB of shared memory (a 32 KB
+ring, the wgmma's two 8 KB tiles, the scales), so four programs an SM, 2 x 8448 bytes in flight
+each (~68 KB an SM). Per page:
 
 1. wait for the page's copies (``wait_group``) and meet the other warps: the page is in its
    stage and every warp is done with the previous page;
@@ -63,8 +68,8 @@ __all__ = ["check_indexer_gluon_inputs", "in_indexer_gluon_class", "indexer_gluo
 
 HEADS, DIM, PAGE = 64, 128, 64  # DeepSeek-V3.2 / GLM-5 indexer heads, head dim; keys a page
 ROW_BYTES = DIM + 4  # e4m3 values, then the fp32 scale
-STAGES = 3  # page stages: STAGES - 1 pages in flight a program (32 KB of stages)
-MIN_PAGES = 4  # least pages a program
+STAGES = 3  # page stages: STAGES - 1 pages in flight a program (a 32 KB ring)
+MIN_PAGES = 2  # least pages a program (as the Triton kernel's MIN_TILES)
 WAVES = 4  # programs: about WAVES x SMs
 _MAX_GRID_Y = 65535  # chunks are the grid's second dimension
 
