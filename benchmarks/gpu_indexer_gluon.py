@@ -10,13 +10,14 @@ Triton's streaming one.
    key), width past every length (a CUDA graph's ``max_model_len``): with ``fill_hidden`` the
    whole width, without it up to each row's last visible page; -inf exactly where the twin's
    is, bound ``max|out - ref| / max|ref| <= 2e-2`` per row. Also at ``waves`` 1 (long chunks:
-   many trips round the stage ring).
+   many trips round the stage ring), with 7 stages and with 2 (``CHECKS``).
 2. Timing, batch 1, 8, 32 x context 8K, 32K, 64K, 128K, random e4m3 keys, every key visible,
    ``fill_hidden`` off (as ``lightning_indexer_topk`` decodes): both kernels by
    ``gpu_mla.timer`` (one CUDA graph over rotated input sets that overflow L2, ``do_bench``
    median): us, the share of the device copy bandwidth measured in this run (``ceilings.py``;
    bytes = keys read + logits written, B S (132 + 4)), the speed-up and the rel error of the
-   Gluon logits against the Triton ones.
+   Gluon logits against the Triton ones; then the Gluon kernel at 7 stages (a 64 KB ring, two
+   programs an SM, against four at the default 3).
 
 ``--smoke`` runs on CPU at toy sizes: Gluon has no interpreter, so the Gluon kernel is skipped
 (its input checks still run and must refuse CPU tensors); the twin and the Triton kernel
@@ -60,6 +61,8 @@ FULL = dict(lens=(0, 1, 63, 64, 65, 700, 4097, 3000, 8191), idle=2, early=(6, 19
             shapes=[(b, c) for b in (1, 8, 32) for c in (8192, 32768, 65536, 131072)])  # fmt: skip
 SMOKE = dict(lens=(0, 1, 63, 65, 130, 200), idle=2, early=(5, 150), extra=70,
              shapes=[(1, 256), (2, 192)])  # fmt: skip
+# (fill_hidden, waves, stages) of the checks: waves 1 makes long chunks (many trips round the ring)
+CHECKS = ((True, 4, 3), (False, 4, 3), (False, 1, 3), (False, 1, 7), (False, 4, 2))
 SKIP_GLUON = "smoke: Gluon has no interpreter, indexer_logits_gluon is skipped (run on Hopper)"
 
 
@@ -108,8 +111,8 @@ def compare(got: torch.Tensor, want: torch.Tensor, ends) -> float:
     return worst
 
 
-def check_case(sizes: dict, fill_hidden: bool, waves: int, dev: str) -> dict:
-    name = f"{'fill' if fill_hidden else 'nofill'}_waves{waves}"
+def check_case(sizes: dict, fill_hidden: bool, waves: int, dev: str, stages: int = 3) -> dict:
+    name = f"{'fill' if fill_hidden else 'nofill'}_waves{waves}_stages{stages}"
     lens = sizes["lens"]
     d = check_inputs(lens, sizes["idle"], sizes["early"], dev)
     cache, table, qsl, lens_t, pos = d["args"]
@@ -130,7 +133,7 @@ def check_case(sizes: dict, fill_hidden: bool, waves: int, dev: str) -> dict:
             ok = row["triton_rel_err"] <= REL_TOL
             return {**row, "rel_err": None, "ok": ok, "note": f"skipped; CPU refused: {exc}"}
     got = indexer_logits_gluon(d["q"], d["w"], *d["args"], width=width, fill_hidden=fill_hidden,
-                               waves=waves)  # fmt: skip
+                               waves=waves, stages=stages)  # fmt: skip
     err = compare(got, want, ends)
     return {**row, "rel_err": err, "ok": err <= REL_TOL}
 
@@ -149,8 +152,8 @@ def time_shape(batch: int, ctx: int, copy_bw: float, dev: str) -> dict:
         return indexer_logits(d["q"], d["w"], *d["args"], width=ctx, max_query_len=1,
                               dot_scale=d["dot_scale"], config=cfg, fill_hidden=False)  # fmt: skip
 
-    def gluon_call(d):
-        return indexer_logits_gluon(d["q"], d["w"], *d["args"], width=ctx,
+    def gluon_call(d, stages=3):
+        return indexer_logits_gluon(d["q"], d["w"], *d["args"], width=ctx, stages=stages,
                                     dot_scale=d["dot_scale"], fill_hidden=False)  # fmt: skip
 
     t, graph = timer([lambda d=d: triton_call(d) for d in data])
@@ -162,6 +165,8 @@ def time_shape(batch: int, ctx: int, copy_bw: float, dev: str) -> dict:
     t, _ = timer([lambda d=d: gluon_call(d) for d in data])
     row.update(gluon_us=t * 1e6, gluon_pct=100 * moved / t / copy_bw,
                speedup=row["triton_us"] / (t * 1e6))  # fmt: skip
+    t, _ = timer([lambda d=d: gluon_call(d, 7) for d in data])  # a 64 KB ring, 2 programs an SM
+    row.update(gluon7_us=t * 1e6, gluon7_pct=100 * moved / t / copy_bw)
     del data
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -170,14 +175,15 @@ def time_shape(batch: int, ctx: int, copy_bw: float, dev: str) -> dict:
 
 def print_table(checks: list[dict], rows: list[dict], ceilings: dict) -> None:
     print(f"\nchecks against the float32 twin (worst row max|out-ref|/max|ref|, bound {REL_TOL}):")
-    print(f"  {'case':>14} {'gluon':>9} {'triton':>9}")
+    print(f"  {'case':>21} {'gluon':>9} {'triton':>9}")
     for c in checks:
         errs = f"{fmt(c['rel_err'], '.2e'):>9} {fmt(c['triton_rel_err'], '.2e'):>9}"
-        print(f"  {c['case']:>14} {errs} {'ok' if c['ok'] else 'FAIL'} {c.get('note', '')}")
+        print(f"  {c['case']:>21} {errs} {'ok' if c['ok'] else 'FAIL'} {c.get('note', '')}")
     print(f"\nfp8 indexer decode logits, 64 heads x 128, page 64; {describe(ceilings)}")
     print("% copy: (keys read + logits written) / time / measured copy bandwidth")
+    print("gluon: 3 stages (the default); 7 stg: the same kernel at 7 stages")
     print(f"{'B':>4} {'ctx':>7} {'triton us':>10} {'% copy':>7} {'gluon us':>9} {'% copy':>7} "
-          f"{'speedup':>7} {'rel/tri':>8}")  # fmt: skip
+          f"{'speedup':>7} {'rel/tri':>8} {'7 stg us':>9} {'% copy':>7}")  # fmt: skip
     for r in rows:
         if "skipped" in r:
             print(f"{r['batch']:>4} {r['ctx']:>7}  skipped: {r['skipped']}")
@@ -185,7 +191,8 @@ def print_table(checks: list[dict], rows: list[dict], ceilings: dict) -> None:
         print(f"{r['batch']:>4} {r['ctx']:>7} {fmt(r['triton_us']):>10} "
               f"{fmt(r['triton_pct']):>7} {fmt(r.get('gluon_us')):>9} "
               f"{fmt(r.get('gluon_pct')):>7} {fmt(r.get('speedup'), '.2f'):>7} "
-              f"{fmt(r.get('rel_vs_triton'), '.1e'):>8}")  # fmt: skip
+              f"{fmt(r.get('rel_vs_triton'), '.1e'):>8} {fmt(r.get('gluon7_us')):>9} "
+              f"{fmt(r.get('gluon7_pct')):>7}")  # fmt: skip
     if rows and "gluon" in rows[0]:
         print(f"  ({rows[0]['gluon']})")
 
@@ -205,8 +212,8 @@ def main() -> int:
     dev = gpu_mla.DEV
     start = time.perf_counter()
     torch.manual_seed(0)
-    checks = [check_case(sizes, fill, waves, dev)
-              for fill, waves in ((True, 4), (False, 4), (False, 1))]  # fmt: skip
+    checks = [check_case(sizes, fill, waves, dev, stages)
+              for fill, waves, stages in CHECKS]  # fmt: skip
     for c in checks:
         print(json.dumps(c), flush=True)
     ceilings = measure_ceilings(dev)

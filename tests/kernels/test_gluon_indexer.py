@@ -81,6 +81,9 @@ def test_entry_point_checks_before_launching():
     d.pop("max_query_len")
     with pytest.raises(ValueError, match="Hopper"):
         indexer_logits_gluon(**d, width=256)
+    for bad in (dict(stages=1), dict(stages=8), dict(waves=0)):
+        with pytest.raises(ValueError, match="stages must be 2..7"):
+            indexer_logits_gluon(**d, width=256, **bad)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +115,7 @@ def test_stage_copies_cover_the_page_in_aligned_slices(stage):
     assert len(pieces) <= 7
 
 
-# The kernel's launches (fill_hidden on and off; the default 3 stages and 7), recorded on CPU
+# The kernel's launches (fill_hidden on and off; the default 3 stages, 7 and 2), recorded on CPU
 # tensors through the launcher the entry point calls after its checks.
 _LAUNCHES = r"""
 try:
@@ -126,16 +129,16 @@ nb = B * S // 64 + 1
 cache = torch.zeros(nb, 64, 132, dtype=torch.uint8)
 q = torch.zeros(B, 64, 128, dtype=torch.float8_e4m3fn)
 table = torch.arange(1, nb, dtype=torch.int32).view(B, -1)
-for stages, fill in ((3, False), (3, True), (7, False)):
-    gi.STAGES = stages
+for stages, fill in ((None, False), (None, True), (7, False), (2, False)):
     gi._launch(q, torch.zeros(B, 64), cache, table, torch.arange(0, B + 1, dtype=torch.int32),
-               torch.full((B,), S, dtype=torch.int32), torch.full((B,), S - 1), S, 1.0, fill, 4)
+               torch.full((B,), S, dtype=torch.int32), torch.full((B,), S - 1), S, 1.0, fill, 4,
+               stages)
 """
 
 
 def test_kernel_compiles_for_sm90_without_spills():
     infos = compile_for_sm90(_LAUNCHES, ptxas=True)
-    assert [i["kernel"] for i in infos] == ["_indexer_gluon_kernel"] * 3, infos
+    assert [i["kernel"] for i in infos] == ["_indexer_gluon_kernel"] * 4, infos
     for info in infos:
         assert info["spill"] == 0, info
         assert info["shared"] <= 227 * 1024, info
@@ -144,8 +147,9 @@ def test_kernel_compiles_for_sm90_without_spills():
         assert info["wgmma_waits"] and set(info["wgmma_waits"]) == {0}, info
         assert info["tma_loads"] == 0, info
         assert info["cp_async_bytes"] == [4, 16], info  # scales by 4 bytes, pages by 16
-    three, seven = infos[0]["shared"], infos[2]["shared"]
-    assert three <= 52 * 1024 < seven <= 100 * 1024, infos  # 32 KB of stages, then 64 KB
+    three, seven, two = infos[0]["shared"], infos[2]["shared"], infos[3]["shared"]
+    assert three <= 52 * 1024 < seven <= 100 * 1024, infos  # a 32 KB ring, then 64 KB
+    assert two == three - 64 * 4, infos  # the same 32 KB ring (66 rows: 128), one scale stage less
     assert infos[0]["regs"] <= 128, infos[0]  # four programs an SM
 
 
@@ -153,13 +157,14 @@ def test_kernel_compiles_for_sm90_without_spills():
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
     reason="the Gluon kernel runs on Hopper GPUs only",
 )
-@pytest.mark.parametrize("fill_hidden,waves", [(True, 4), (False, 4), (False, 1)])
-def test_matches_twin_and_triton_on_hopper(fill_hidden, waves):
+@pytest.mark.parametrize("case", range(5))
+def test_matches_twin_and_triton_on_hopper(case):
     """The benchmark's checks (NaN-filled cache, lengths 0 / 1 / 63 / 64 / 65 / ... / 8191, a
     request with no token, a token before its last key, width past every length): Gluon and
     Triton logits against the float32 twin, -inf exactly where the twin's is."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import gpu_indexer_gluon as bench
 
-    row = bench.check_case(bench.FULL, fill_hidden, waves, "cuda")
+    fill_hidden, waves, stages = bench.CHECKS[case]
+    row = bench.check_case(bench.FULL, fill_hidden, waves, "cuda", stages)
     assert row["ok"] and row["triton_rel_err"] <= bench.REL_TOL, row

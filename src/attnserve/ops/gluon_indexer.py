@@ -343,7 +343,7 @@ def _chunks(num_seqs: int, width: int, waves: int, device: torch.device) -> int:
 
 
 def _launch(q, head_weights, index_cache, block_table, query_start_loc, seq_lens, positions,
-            width, dot_scale, fill_hidden, waves):  # fmt: skip
+            width, dot_scale, fill_hidden, waves, stages=None):  # fmt: skip
     """The launch itself, for inputs ``check_indexer_gluon_inputs`` passed (the sm_90 compile
     test records it on CPU tensors)."""
     out = torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
@@ -356,7 +356,7 @@ def _launch(q, head_weights, index_cache, block_table, query_start_loc, seq_lens
     _indexer_gluon_kernel[(num_seqs, chunks)](
         q, head_weights, index_cache.view(torch.float8_e4m3fn), k_scale, out, block_table, query_start_loc, seq_lens,
         positions, dot_scale, width, q.stride(0), q.stride(1), head_weights.stride(0),
-        out.stride(0), block_table.stride(0), STAGES_=STAGES, MIN_PAGES_=MIN_PAGES,
+        out.stride(0), block_table.stride(0), STAGES_=stages or STAGES, MIN_PAGES_=MIN_PAGES,
         FILL_HIDDEN=fill_hidden, FLAT_SMEM=_FLAT_SMEM, PAGE_SMEM=_PAGE_SMEM,
         SCALE_SMEM=_SCALE_SMEM, TILE_SMEM=_TILE_SMEM, num_warps=4,
     )
@@ -377,6 +377,7 @@ def indexer_logits_gluon(
     dot_scale: float = 1.0,
     fill_hidden: bool = True,
     waves: int = WAVES,
+    stages: int = STAGES,
 ) -> torch.Tensor:
     """Decode index scores over an fp8 cache by the Gluon kernel (the streaming fp8 path of
     ``indexer_logits``: same arguments, one token per request).
@@ -392,12 +393,16 @@ def indexer_logits_gluon(
         fill_hidden: -inf over the columns past each row's last visible page; False leaves
             them unwritten (for ``topk_rows``, which stops at each row's length).
         waves: programs, about ``waves`` x SMs.
+        stages: page stages a program, 2..7 (``stages - 1`` pages in flight; 7: a 64 KB ring,
+            two programs an SM).
     Returns:
         [T, width] float32 logits.
     Raises:
         ValueError: inputs outside that class, or not on a Hopper GPU.
     """
+    if not 2 <= stages <= 7 or waves < 1:
+        raise ValueError(f"stages must be 2..7 and waves >= 1, got {stages=} {waves=}")
     check_indexer_gluon_inputs(q, head_weights, index_cache, block_table, query_start_loc,
                                seq_lens, positions)  # fmt: skip
     return _launch(q, head_weights, index_cache, block_table, query_start_loc, seq_lens,
-                   positions, width, dot_scale, fill_hidden, waves)  # fmt: skip
+                   positions, width, dot_scale, fill_hidden, waves, stages)  # fmt: skip
