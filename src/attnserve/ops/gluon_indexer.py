@@ -305,8 +305,6 @@ def check_indexer_gluon_inputs(
     if positions.dtype not in (torch.int32, torch.int64) or tuple(positions.shape) != q.shape[:1]:
         raise ValueError(f"positions must be int32 or int64 [{q.shape[0]}], got "
                          f"{positions.dtype} {tuple(positions.shape)}")  # fmt: skip
-    if reqs > _MAX_GRID_Y * 32768:
-        raise ValueError(f"too many requests for one launch: {reqs}")
     tensors = (q, head_weights, index_cache, block_table, query_start_loc, seq_lens, positions)
     devices = {t.device for t in tensors}
     if len(devices) != 1:
