@@ -37,7 +37,8 @@ def mla_disabled() -> bool:
 def gluon() -> bool:
     """``ATTNSERVE_GLUON=0``: on Hopper, the launches the Gluon kernels would take (dense MLA
     decode at 64+ heads, ``ops/gluon_mla.py``; sparse MLA rows, ``ops/gluon_mla_sparse.py``;
-    causal prefill, ``ops/gluon_attention.py``) keep the Triton kernels instead, for A/B runs."""
+    causal prefill, ``ops/gluon_attention.py``; fp8 indexer decode logits,
+    ``ops/gluon_indexer.py``) keep the Triton kernels instead, for A/B runs."""
     return os.environ.get("ATTNSERVE_GLUON", "").strip().lower() not in ("0", "false", "no", "off")
 
 

@@ -28,6 +28,7 @@ SCRIPTS = {
     "gpu_gemv": ["--smoke"],
     "gpu_graphs": ["--smoke"],
     "gpu_hybrid_prefix": ["--smoke"],
+    "gpu_indexer_gluon": ["--smoke"],
     "gpu_mechanisms": ["--smoke"],
     "gpu_mla": ["--smoke"],
     "gpu_mla_gluon": ["--smoke"],

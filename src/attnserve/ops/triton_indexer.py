@@ -10,7 +10,9 @@
     request's key tiles and loops over them with nothing but masks around the loads, so
     Triton's pipeliner overlaps the next tiles' loads with this tile's dot. Keys are the dot's
     rows ([block_s, D] x [D, heads]) and the head-weighted sum is a row reduction; on a GPU
-    fp8 keys go to the tensor cores as e4m3 (``IndexerConfig.fp8_dot``).
+    fp8 keys go to the tensor cores as e4m3 (``IndexerConfig.fp8_dot``). With no config
+    given, fp8 decode on Hopper goes to the Gluon kernel instead (``ops/gluon_indexer``, whole
+    pages by 16-byte cp.async; ``ATTNSERVE_GLUON=0`` keeps this one).
 - ``lightning_indexer_topk``: prepares the head weights (and, for an fp8 cache, the Hadamard
   rotation and per-(token, head) fp8 quantisation of q, in PyTorch), runs ``indexer_logits``
   and keeps the best ``topk`` per row: decode rows with ``ops/triton_topk.topk_rows`` (radix
@@ -34,6 +36,7 @@ import triton.language as tl
 
 from attnserve import env
 from attnserve.kvcache.fp8 import hadamard, indexer_fp8_views, quantize_act_fp8
+from attnserve.ops.gluon_indexer import indexer_gluon_takes, indexer_logits_gluon
 from attnserve.ops.triton_mla import _pow2, compute_dtype, num_sms
 from attnserve.ops.triton_topk import topk_rows
 
@@ -326,8 +329,9 @@ def indexer_logits(
             rows ``qsl[i]:qsl[i+1]``); seq_lens: [B] int32; positions: [T] int64.
         width: columns of the result (>= every visible key); max_query_len: host bound.
         dot_scale: multiplies q . k before the ReLU (D^-0.5 exact, 1 for fp8).
-        config: launch shape; default ``pick_indexer_config``. A streaming config needs
-            ``max_query_len`` 1.
+        config: launch shape; default ``pick_indexer_config``, or, for fp8 decode on Hopper
+            (``gluon_indexer.indexer_gluon_takes``), the Gluon kernel. A streaming config
+            needs ``max_query_len`` 1.
         fill_hidden: write -inf over key tiles no token of a block sees (past a sequence's
             length or every token's position); False leaves them unwritten, for a reader that
             stops at each row's visible length (``topk_rows``), which saves the writes of a
@@ -342,6 +346,11 @@ def indexer_logits(
     if keys.shape[-1] != dim or head_weights.shape != (num_tokens, heads):
         raise ValueError(f"q {tuple(q.shape)}, head_weights {tuple(head_weights.shape)} and "
                          f"keys {tuple(keys.shape)} disagree")  # fmt: skip
+    if config is None and indexer_gluon_takes(q, head_weights, index_cache, max_query_len):
+        # fp8 decode on Hopper: whole pages by 16-byte cp.async (ops/gluon_indexer)
+        return indexer_logits_gluon(q, head_weights, index_cache, block_table, query_start_loc,
+                                    seq_lens, positions, width=width, dot_scale=dot_scale,
+                                    fill_hidden=fill_hidden)  # fmt: skip
     cfg = config or pick_indexer_config(heads, max_query_len, q.dtype, interpret, fp8=fp8,
                                         num_seqs=seq_lens.shape[0])
     if cfg.stream and max_query_len != 1:
