@@ -138,7 +138,8 @@ def compare(outs, prompts, plp, greedy):
 
 
 def check_family(name: str, dtype: str, device: str = "cuda", backend: str | None = None,
-                 state_backend: str | None = None, block_size: int | None = 16) -> dict:
+                 state_backend: str | None = None, block_size: int | None = 16,
+                 kv_cache_dtype: str = "auto") -> dict:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from attnserve import LLM, SamplingParams
@@ -160,14 +161,14 @@ def check_family(name: str, dtype: str, device: str = "cuda", backend: str | Non
             baseline = {"max_dlogprob": max((a - b).abs().max().item() for a, b in zip(plp, plp32)),
                         "greedy_agree": sum(g == h for g, h in zip(greedy, greedy32)) / len(greedy)}
         params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, prompt_logprobs=1)
-        row = {"family": name, "dtype": dtype, "hf_vs_fp32": baseline}
+        row = {"family": name, "dtype": dtype, "hf_vs_fp32": baseline, "kv_cache_dtype": kv_cache_dtype}
         if state_backend and name in STATE_KINDS:
             backend = f"{state_backend.upper()}_{STATE_KINDS[name]}"
         for mode, extra in MODES:
             if backend:
                 extra = dict(extra, attention_backend=backend)
             llm = LLM(d, dtype=dtype, device=device, block_size=block_size, max_model_len=256, max_num_seqs=8,
-                      **extra)
+                      kv_cache_dtype=kv_cache_dtype, **extra)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             worst, agree = compare(outs, prompts, plp, greedy)
             row[mode] = {"max_dlogprob": worst, "greedy_agree": agree, "backends": llm.llm_engine.parts.backend_names,
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--state-backend", choices=("torch", "triton"), default=None,
                     help="the hybrid families' state layers on TORCH_<kind> or TRITON_<kind> (replaces "
                          "--attention-backend for them; default: the platform's first)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the engine's KV cache dtype (fp8: the 656-byte MLA rows and fp8 indexer keys)")
     ap.add_argument("--block-size", type=int, default=16,
                     help="tokens per KV block; 0: the engine's default (64 for MLA models on CUDA)")
     args = ap.parse_args()
@@ -206,7 +209,7 @@ def main() -> None:
                 continue
             try:
                 rows.append(check_family(name, dtype, args.device, args.attention_backend, args.state_backend,
-                                         args.block_size or None))
+                                         args.block_size or None, args.kv_cache_dtype))
                 print(json.dumps(rows[-1]), flush=True)
             except Exception as e:  # one family failing must not hide the others
                 rows.append({"family": name, "dtype": dtype, "error": f"{type(e).__name__}: {e}",
@@ -227,6 +230,8 @@ def main() -> None:
             continue
         cells = [f"{r[m]['max_dlogprob']:.1e}/{r[m]['greedy_agree']:.2f}" for m in ("graphs", "eager", "chunked")]
         backend = ",".join(sorted(set(r["graphs"]["backends"])))
+        if r.get("kv_cache_dtype", "auto") != "auto":
+            backend += f" kv {r['kv_cache_dtype']}"
         print(f"{r['family']:<18}{r['dtype']:<10}{backend:<28}{cells[0]:>20}{cells[1]:>20}{cells[2]:>20}  "
               f"{r['graphs_equal_eager']} (graphs {'on' if r['graphs']['graphs'] else 'off'})"
               + (f"  [{r['hf_vs_fp32']['max_dlogprob']:.1e}/{r['hf_vs_fp32']['greedy_agree']:.2f}]"
