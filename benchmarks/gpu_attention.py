@@ -27,13 +27,17 @@ FlexAttention, one plain pass per timing; the cuDNN peer is missing there).
 
     python benchmarks/gpu_attention.py [--budget-s 330] [--no-peers] [--smoke]
         [--only checks,decode,prefill] [--decode-shapes 1x32768,16x4096] [--prefill-tokens 16384]
+        [--graph-calls 8]
 
 ``--only`` (repeatable or a comma list; default all three) picks the parts: ``checks`` alone
 runs the checks and nothing else (no ceilings, no peers); leaving ``checks`` out times without
 them. The checks, when run, come before any timing; a failed check does not stop the timing, but
 the run exits 1 and the JSON's ``checks_ok`` is false. ``--decode-shapes`` (BATCHxCONTEXT) and
 ``--prefill-tokens`` replace the default grid of their part (an error where ``--only`` leaves that
-part out). Issue #22's rows: ``--decode-shapes 1x32768,16x4096 --prefill-tokens 16384``.
+part out). Issue #22's rows: ``--decode-shapes 1x32768,16x4096 --prefill-tokens 16384``. ``--graph-calls 8``
+repeats each timing graph's rotation to at least 8 calls (ours and the peers alike), so that the
+graph's launch is shared as in a model step (a big shape has one or two sets: a graph of one
+call also times its own launch, 5-10 us on the H200).
 The default run is the checks, the ceilings, 20 decode and 6 prefill rows; ``--budget-s``
 (counted from the start, checks included) stops starting new shapes, so the run ends by the
 budget plus the row in flight. On the H200 (2026-12-03, ``--budget-s 70``, before the 32K
@@ -85,6 +89,7 @@ PREFILL_PEERS = ("sdpa", "sdpa_cudnn_mha", "sdpa_flash_mha", "flex")
 KINDS = ("checks", "decode", "prefill")  # the parts --only picks
 REL_TOL = 2e-2
 L2_BUST_BYTES, MAX_SETS = 256 << 20, 32
+GRAPH_CALLS = 1  # least calls a timing graph holds (``--graph-calls``)
 DEV = "cpu" if SMOKE else "cuda"
 
 
@@ -268,9 +273,16 @@ def mha_form(qkv: tuple) -> tuple:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_per_call(calls: list[Callable[[], object]], rep_ms: int = 100) -> tuple[float, bool]:
+def time_per_call(
+    calls: list[Callable[[], object]], rep_ms: int = 100, min_calls: int | None = None
+) -> tuple[float, bool]:
     """Median seconds per call over a CUDA graph of all calls (eager rotation if capture fails);
-    in smoke runs (CPU), one plain pass."""
+    in smoke runs (CPU), one plain pass. ``min_calls``: the graph repeats the rotation up to at
+    least that many calls, so that its one launch is shared as a model step's graph shares it
+    among its layers (with one or two big sets, a graph of one call also times the graph's own
+    launch: 5-10 us on the H200). Default ``GRAPH_CALLS`` (``--graph-calls``; 1)."""
+    min_calls = GRAPH_CALLS if min_calls is None else min_calls
+    calls = [calls[i % len(calls)] for i in range(max(len(calls), min_calls))]
     if DEV != "cuda":
         start = time.perf_counter()
         for call in calls:
@@ -487,12 +499,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"decode shapes to time (default batches {DECODE_BATCHES} x contexts {DECODE_CTX})",
     )
     ap.add_argument(
+        "--graph-calls",
+        type=int,
+        default=1,
+        metavar="N",
+        help="least calls in each timing graph, the rotation repeated (shares the graph's launch)",
+    )
+    ap.add_argument(
         "--prefill-tokens",
         type=positive_ints,
         metavar="N,...",
         help=f"causal prefill lengths to time (default {PREFILL_TOKENS})",
     )
     args = ap.parse_args(argv)
+    if args.graph_calls < 1:
+        ap.error("--graph-calls must be >= 1")
     only = {k.strip() for item in args.only or [",".join(KINDS)] for k in item.split(",")}
     if only - set(KINDS):
         ap.error(f"--only: unknown {sorted(only - set(KINDS))}; choose from {', '.join(KINDS)}")
@@ -533,7 +554,9 @@ def time_shapes(args: argparse.Namespace, ceilings: dict, start: float) -> list[
 
 
 def main() -> int:
+    global GRAPH_CALLS
     args = parse_args()
+    GRAPH_CALLS = args.graph_calls
     if not SMOKE and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --smoke)")
         return 2
