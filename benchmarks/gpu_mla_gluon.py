@@ -18,7 +18,9 @@
 interpreter, so the Gluon kernel is skipped (its input checks still run); the twin and the
 Triton kernel (Triton's interpreter) do run. One command, under 2 minutes on the H200:
 
-    python benchmarks/gpu_mla_gluon.py [--heads 128,16] [--smoke]
+    python benchmarks/gpu_mla_gluon.py [--heads 128,16] [--grid] [--no-checks] [--smoke]
+
+``--grid`` times gpu_mla.py's dense grid (batch 1, 8, 32, 128 x context 4K, 16K, 64K) instead.
 
 Writes ``$OUT/gpu_mla_gluon.json`` when ``OUT`` is set; exits 1 when a check fails.
 """
@@ -60,6 +62,8 @@ FULL = dict(heads=128, check_lens=(0, 1, 63, 64, 65, 1000, 4097), check_splits=(
 # fewer than 64 heads (DeepSeek-V2-Lite, V3 over 8 GPUs): the kernel pads its rows to 64; the
 # Triton kernel it is timed against is mla_decode's default for those heads (what TRITON_MLA runs)
 FEW = dict(FULL, shapes=((1, 65536), (8, 65536), (32, 65536), (128, 16384), (128, 65536)))
+# --grid: gpu_mla.py's dense decode grid (batches x contexts), for "no slower at any shape"
+GRID = tuple((b, c) for b in (1, 8, 32, 128) for c in (4096, 16384, 65536))
 COPY_BW = 4.25e12  # bytes/s, the H200's measured copy ceiling (% of BW in the few-heads table)
 SMOKE = dict(heads=64, check_lens=(0, 1, 65), check_splits=(1,), shapes=((1, 128),))
 SKIP_GLUON = "smoke: Gluon has no interpreter, mla_decode_gluon is skipped (run on a Hopper GPU)"
@@ -192,6 +196,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes, Gluon kernel skipped")
     ap.add_argument("--heads", default="128", help="comma list: 128 (and 64+), 16 or 32 (padded)")
+    ap.add_argument("--grid", action="store_true", help="time gpu_mla.py's dense grid instead")
+    ap.add_argument("--no-checks", action="store_true", help="timing only")
     args = ap.parse_args()
     heads_list = [int(h) for h in args.heads.split(",")]
     if args.smoke:
@@ -207,13 +213,15 @@ def main() -> int:
     if args.smoke:
         heads_list = [sizes["heads"]]
     checks, rows = [], []
-    for heads in heads_list:
+    for heads in [] if args.no_checks else heads_list:
         checks += [check_gluon(heads, sizes["check_lens"], sp, dev)
                    for sp in sizes["check_splits"]]  # fmt: skip
     for c in checks:
         print(json.dumps(c), flush=True)
     for heads in heads_list:
         shapes = FEW["shapes"] if heads < 64 and not args.smoke else sizes["shapes"]
+        if args.grid and not args.smoke:
+            shapes = GRID
         for batch, ctx in shapes:
             rows.append(time_shape(batch, ctx, heads, dev))
             print(json.dumps(rows[-1]), flush=True)

@@ -26,7 +26,9 @@ interpreter, so the Gluon kernel is skipped (its input checks still run and must
 tensors); the twin and the Triton kernel (Triton's interpreter) do run, and the checks then
 hold Triton to the bound. One command, under 2 minutes on the H200:
 
-    python benchmarks/gpu_mla_sparse_gluon.py [--smoke] [--rows bf16,fp8]
+    python benchmarks/gpu_mla_sparse_gluon.py [--smoke] [--rows bf16,fp8] [--grid] [--no-checks]
+
+``--grid`` times gpu_mla.py's sparse rows (batch 32 x 8K, 32K, 128K) instead of the four shapes.
 
 Writes ``$OUT/gpu_mla_sparse_gluon.json`` when ``OUT`` is set; exits 1 when a check fails.
 """
@@ -212,6 +214,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes, Gluon kernel skipped")
     ap.add_argument("--rows", default=",".join(ROWS), help="latent rows: bf16, fp8 or both")
+    ap.add_argument("--grid", action="store_true",
+                    help="time gpu_mla.py's sparse rows (batch 32 x 8K, 32K, 128K) instead")
+    ap.add_argument("--no-checks", action="store_true", help="timing only")
     args = ap.parse_args()
     kinds = [r.strip() for r in args.rows.split(",") if r.strip()]
     if not kinds or any(r not in ROWS for r in kinds):
@@ -228,12 +233,15 @@ def main() -> int:
     start = time.perf_counter()
     torch.manual_seed(0)
     checks, rows = [], []
-    for kind in kinds:
+    for kind in [] if args.no_checks else kinds:
         for k, page, splits in sizes["cases"]:
             checks.append(check_case(sizes, k, page, splits, dev, fp8=kind == "fp8"))
             print(json.dumps(checks[-1]), flush=True)
+    shapes = sizes["shapes"]
+    if args.grid and not args.smoke:
+        shapes = ((32, 8192), (32, 32768), (32, 131072))
     for kind in kinds:
-        for batch, ctx in sizes["shapes"]:
+        for batch, ctx in shapes:
             rows.append(time_shape(batch, ctx, sizes["heads"], dev, fp8=kind == "fp8"))
             print(json.dumps(rows[-1]), flush=True)
     print_table(checks, rows, kinds)
