@@ -10,14 +10,16 @@ Triton's streaming one.
    key), width past every length (a CUDA graph's ``max_model_len``): with ``fill_hidden`` the
    whole width, without it up to each row's last visible page; -inf exactly where the twin's
    is, bound ``max|out - ref| / max|ref| <= 2e-2`` per row. Also at ``waves`` 1 (long chunks:
-   many trips round the stage ring), with 7 stages and with 2 (``CHECKS``).
+   many trips round the stage ring), with 7 stages and with 2 (``CHECKS``). Every case runs each
+   ``variant`` of the Gluon kernel (the default "tile", "regs", "regs_inorder"): the variants
+   against the twin (same bound) and against the default (``VARIANT_TOL``; bit-equal noted).
 2. Timing, batch 1, 8, 32 x context 8K, 32K, 64K, 128K, random e4m3 keys, every key visible,
    ``fill_hidden`` off (as ``lightning_indexer_topk`` decodes): both kernels by
    ``gpu_mla.timer`` (one CUDA graph over rotated input sets that overflow L2, ``do_bench``
    median): us, the share of the device copy bandwidth measured in this run (``ceilings.py``;
    bytes = keys read + logits written, B S (132 + 4)), the speed-up and the rel error of the
-   Gluon logits against the Triton ones; then the Gluon kernel at 7 stages (a 64 KB ring, two
-   programs an SM, against four at the default 3).
+   Gluon logits against the Triton ones; then each other variant of the Gluon kernel (us, %
+   copy: the A/B against the default).
 
 ``--smoke`` runs on CPU at toy sizes: Gluon has no interpreter, so the Gluon kernel is skipped
 (its input checks still run and must refuse CPU tensors); the twin and the Triton kernel
@@ -50,10 +52,11 @@ from gpu_mla import filled_cache, indexer_inputs, indexer_query, sets_for, timer
 from gpu_mla_gluon import fmt, gluon_enabled  # noqa: E402
 
 from attnserve.attention.reference_mla import gather_indexer_keys  # noqa: E402
-from attnserve.ops.gluon_indexer import indexer_logits_gluon  # noqa: E402
+from attnserve.ops.gluon_indexer import VARIANTS, indexer_logits_gluon  # noqa: E402
 from attnserve.ops.triton_indexer import indexer_logits, pick_indexer_config  # noqa: E402
 
 REL_TOL = 2e-2
+VARIANT_TOL = 1e-2  # the variants against the default (another K order in the wgmma)
 PAGE, ROW_BYTES = 64, 132
 # checks: request lengths, the request with no token, (request, position) of one token before
 # its last key; timing: (batch, context)
@@ -132,10 +135,18 @@ def check_case(sizes: dict, fill_hidden: bool, waves: int, dev: str, stages: int
         except ValueError as exc:
             ok = row["triton_rel_err"] <= REL_TOL
             return {**row, "rel_err": None, "ok": ok, "note": f"skipped; CPU refused: {exc}"}
-    got = indexer_logits_gluon(d["q"], d["w"], *d["args"], width=width, fill_hidden=fill_hidden,
-                               waves=waves, stages=stages)  # fmt: skip
-    err = compare(got, want, ends)
-    return {**row, "rel_err": err, "ok": err <= REL_TOL}
+    outs = {v: indexer_logits_gluon(d["q"], d["w"], *d["args"], width=width, waves=waves,
+                                    fill_hidden=fill_hidden, stages=stages, variant=v)
+            for v in VARIANTS}  # fmt: skip
+    row["rel_err"] = compare(outs["tile"], want, ends)
+    ok = row["rel_err"] <= REL_TOL
+    for v in VARIANTS[1:]:
+        row[f"{v}_rel_err"] = compare(outs[v], want, ends)
+        row[f"{v}_vs_tile"] = compare(outs[v], outs["tile"], ends)
+        row[f"{v}_equal"] = all(torch.equal(outs[v][t, :e], outs["tile"][t, :e])
+                                for t, e in enumerate(ends))  # fmt: skip
+        ok = ok and row[f"{v}_rel_err"] <= REL_TOL and row[f"{v}_vs_tile"] <= VARIANT_TOL
+    return {**row, "ok": ok}
 
 
 def time_shape(batch: int, ctx: int, copy_bw: float, dev: str) -> dict:
@@ -152,8 +163,8 @@ def time_shape(batch: int, ctx: int, copy_bw: float, dev: str) -> dict:
         return indexer_logits(d["q"], d["w"], *d["args"], width=ctx, max_query_len=1,
                               dot_scale=d["dot_scale"], config=cfg, fill_hidden=False)  # fmt: skip
 
-    def gluon_call(d, stages=3):
-        return indexer_logits_gluon(d["q"], d["w"], *d["args"], width=ctx, stages=stages,
+    def gluon_call(d, variant="tile"):
+        return indexer_logits_gluon(d["q"], d["w"], *d["args"], width=ctx, variant=variant,
                                     dot_scale=d["dot_scale"], fill_hidden=False)  # fmt: skip
 
     t, graph = timer([lambda d=d: triton_call(d) for d in data])
@@ -165,8 +176,10 @@ def time_shape(batch: int, ctx: int, copy_bw: float, dev: str) -> dict:
     t, _ = timer([lambda d=d: gluon_call(d) for d in data])
     row.update(gluon_us=t * 1e6, gluon_pct=100 * moved / t / copy_bw,
                speedup=row["triton_us"] / (t * 1e6))  # fmt: skip
-    t, _ = timer([lambda d=d: gluon_call(d, 7) for d in data])  # a 64 KB ring, 2 programs an SM
-    row.update(gluon7_us=t * 1e6, gluon7_pct=100 * moved / t / copy_bw)
+    for v in VARIANTS[1:]:
+        row[f"{v}_vs_tile"] = compare(gluon_call(data[0], v), out, [ctx] * batch)
+        t, _ = timer([lambda d=d, v=v: gluon_call(d, v) for d in data])
+        row.update({f"{v}_us": t * 1e6, f"{v}_pct": 100 * moved / t / copy_bw})
     del data
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -174,25 +187,36 @@ def time_shape(batch: int, ctx: int, copy_bw: float, dev: str) -> dict:
 
 
 def print_table(checks: list[dict], rows: list[dict], ceilings: dict) -> None:
-    print(f"\nchecks against the float32 twin (worst row max|out-ref|/max|ref|, bound {REL_TOL}):")
-    print(f"  {'case':>21} {'gluon':>9} {'triton':>9}")
+    print(
+        f"\nchecks against the float32 twin (worst row max|out-ref|/max|ref|, bound {REL_TOL};"
+        f" the variants against the default: 'vs tile', bound {VARIANT_TOL}, '=': bit-equal):"
+    )
+    heads = "".join(f" {v:>12} {'vs tile':>8} {'=':>1}" for v in VARIANTS[1:])
+    print(f"  {'case':>21} {'gluon':>9} {'triton':>9}{heads}")
     for c in checks:
         errs = f"{fmt(c['rel_err'], '.2e'):>9} {fmt(c['triton_rel_err'], '.2e'):>9}"
+        for v in VARIANTS[1:]:
+            same = {True: "y", False: "n"}.get(c.get(f"{v}_equal"), "-")
+            errs += (f" {fmt(c.get(f'{v}_rel_err'), '.2e'):>12}"
+                     f" {fmt(c.get(f'{v}_vs_tile'), '.1e'):>8} {same:>1}")  # fmt: skip
         print(f"  {c['case']:>21} {errs} {'ok' if c['ok'] else 'FAIL'} {c.get('note', '')}")
     print(f"\nfp8 indexer decode logits, 64 heads x 128, page 64; {describe(ceilings)}")
     print("% copy: (keys read + logits written) / time / measured copy bandwidth")
-    print("gluon: 3 stages (the default); 7 stg: the same kernel at 7 stages")
+    print("gluon: the default (keys through the swizzled tile); regs: keys as the wgmma's register"
+          " A, K permuted; regs_inorder: the same in K order")  # fmt: skip
+    heads = "".join(f" {v + ' us':>15} {'% copy':>7}" for v in VARIANTS[1:])
     print(f"{'B':>4} {'ctx':>7} {'triton us':>10} {'% copy':>7} {'gluon us':>9} {'% copy':>7} "
-          f"{'speedup':>7} {'rel/tri':>8} {'7 stg us':>9} {'% copy':>7}")  # fmt: skip
+          f"{'speedup':>7} {'rel/tri':>8}{heads}")  # fmt: skip
     for r in rows:
         if "skipped" in r:
             print(f"{r['batch']:>4} {r['ctx']:>7}  skipped: {r['skipped']}")
             continue
+        cols = "".join(f" {fmt(r.get(f'{v}_us')):>15} {fmt(r.get(f'{v}_pct')):>7}"
+                       for v in VARIANTS[1:])  # fmt: skip
         print(f"{r['batch']:>4} {r['ctx']:>7} {fmt(r['triton_us']):>10} "
               f"{fmt(r['triton_pct']):>7} {fmt(r.get('gluon_us')):>9} "
               f"{fmt(r.get('gluon_pct')):>7} {fmt(r.get('speedup'), '.2f'):>7} "
-              f"{fmt(r.get('rel_vs_triton'), '.1e'):>8} {fmt(r.get('gluon7_us')):>9} "
-              f"{fmt(r.get('gluon7_pct')):>7}")  # fmt: skip
+              f"{fmt(r.get('rel_vs_triton'), '.1e'):>8}{cols}")  # fmt: skip
     if rows and "gluon" in rows[0]:
         print(f"  ({rows[0]['gluon']})")
 

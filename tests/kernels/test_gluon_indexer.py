@@ -84,6 +84,8 @@ def test_entry_point_checks_before_launching():
     for bad in (dict(stages=1), dict(stages=8), dict(waves=0)):
         with pytest.raises(ValueError, match="stages must be 2..7"):
             indexer_logits_gluon(**d, width=256, **bad)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        indexer_logits_gluon(**d, width=256, variant="smem")
 
 
 @pytest.mark.parametrize(
@@ -117,7 +119,7 @@ def test_stage_copies_cover_the_page_in_aligned_slices(stage):
 
 # The kernel's launches (fill_hidden on and off; the default 3 stages, 7 and 2), recorded on CPU
 # tensors through the launcher the entry point calls after its checks.
-_LAUNCHES = r"""
+_SETUP = r"""
 try:
     import attnserve.ops.gluon_indexer as gi
 except ImportError as exc:
@@ -129,11 +131,16 @@ nb = B * S // 64 + 1
 cache = torch.zeros(nb, 64, 132, dtype=torch.uint8)
 q = torch.zeros(B, 64, 128, dtype=torch.float8_e4m3fn)
 table = torch.arange(1, nb, dtype=torch.int32).view(B, -1)
+"""
+_LAUNCHES = (
+    _SETUP
+    + r"""
 for stages, fill in ((None, False), (None, True), (7, False), (2, False)):
     gi._launch(q, torch.zeros(B, 64), cache, table, torch.arange(0, B + 1, dtype=torch.int32),
                torch.full((B,), S, dtype=torch.int32), torch.full((B,), S - 1), S, 1.0, fill, 4,
                stages)
 """
+)
 
 
 def test_kernel_compiles_for_sm90_without_spills():
@@ -153,6 +160,35 @@ def test_kernel_compiles_for_sm90_without_spills():
     assert infos[0]["regs"] <= 128, infos[0]  # four programs an SM
 
 
+# variant "regs" (keys to the wgmma from registers): both fills, 3 stages and 7, and the default
+_LAUNCHES_REGS = (
+    _SETUP
+    + r"""
+for stages, fill, variant in ((None, False, "regs"), (None, True, "regs"), (7, False, "regs"),
+                              (None, False, "tile")):
+    gi._launch(q, torch.zeros(B, 64), cache, table, torch.arange(0, B + 1, dtype=torch.int32),
+               torch.full((B,), S, dtype=torch.int32), torch.full((B,), S - 1), S, 1.0, fill, 4,
+               stages, variant)
+"""
+)
+
+
+def test_regs_variant_compiles_for_sm90_with_a_from_registers():
+    infos = compile_for_sm90(_LAUNCHES_REGS, ptxas=True)
+    assert [i["kernel"] for i in infos] == ["_indexer_gluon_kernel"] * 4, infos
+    *regs, tile = infos
+    for info in regs:
+        assert info["spill"] == 0, info
+        assert info["wgmma"] == ["wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"], info
+        assert info["wgmma_a_regs"], info  # A (the keys) from registers
+        assert info["wgmma_waits"] and set(info["wgmma_waits"]) == {0}, info
+        assert info["tma_loads"] == 0, info
+        assert info["cp_async_bytes"] == [4, 16], info
+    assert not tile["wgmma_a_regs"], tile
+    assert regs[0]["shared"] == tile["shared"] - 64 * 128, infos  # no key tile
+    assert regs[0]["regs"] <= 128, regs[0]  # four programs an SM
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
     reason="the Gluon kernel runs on Hopper GPUs only",
@@ -160,11 +196,14 @@ def test_kernel_compiles_for_sm90_without_spills():
 @pytest.mark.parametrize("case", range(5))
 def test_matches_twin_and_triton_on_hopper(case):
     """The benchmark's checks (NaN-filled cache, lengths 0 / 1 / 63 / 64 / 65 / ... / 8191, a
-    request with no token, a token before its last key, width past every length): Gluon and
-    Triton logits against the float32 twin, -inf exactly where the twin's is."""
+    request with no token, a token before its last key, width past every length): Gluon (both
+    variants) and Triton logits against the float32 twin, -inf exactly where the twin's is, and
+    the "regs" variant against the default."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import gpu_indexer_gluon as bench
 
     fill_hidden, waves, stages = bench.CHECKS[case]
     row = bench.check_case(bench.FULL, fill_hidden, waves, "cuda", stages)
     assert row["ok"] and row["triton_rel_err"] <= bench.REL_TOL, row
+    assert row["regs_rel_err"] <= bench.REL_TOL, row
+    assert row["regs_vs_tile"] <= bench.VARIANT_TOL, row

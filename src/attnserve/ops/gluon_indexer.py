@@ -33,6 +33,14 @@ each (~68 KB an SM). Per page:
    ``w[t, h]`` and the sum over heads is a reduction along N (within a thread, then the quad's
    shuffles: no cross-warp step), times the key's scale, -inf past the limit, fp32 stores.
 
+Variant "regs" (``variant=``; "tile" above is the default): step 3 loads the page's keys from
+the padded view straight into the wgmma's A fragment (registers, ``k_width`` 4), so no tile, no
+fence and one barrier a page. The view reads a row's 32 4-byte words in a permuted order (bank
+conflict-free 4-byte loads at the 33-word row stride) and q is stored with the same column
+permutation, so only the order of the wgmma's K sum changes ("regs_inorder": no permutation,
+the loads 4-way bank conflicted). sm_90 compile: 115 registers, no spills, 41.7 KB (no key
+tile), A from registers.
+
 The grid is (requests, chunks): each request's visible pages split evenly over its chunks, about
 ``waves`` x SMs programs in all, at least ``MIN_PAGES`` pages each. Keys past the limit inside
 the last page may be stale or NaN bytes: their scores are replaced by -inf (a select).
@@ -80,6 +88,18 @@ _FLAT_SMEM = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 _PAGE_SMEM = gl.PaddedSharedLayout.with_identity_for([[DIM, 4]], [PAGE, DIM], [1, 0])
 _SCALE_SMEM = gl.SwizzledSharedLayout(1, 1, 1, [0])
 _TILE_SMEM = gl.NVMMASharedLayout.get_default_for([PAGE, DIM], gl.float8e4nv)  # 128-byte swizzle
+# variant "regs": the padded view with the 32 4-byte words of a row permuted along K (column
+# word 8s + 4h + t is byte word 8t + 2s + h), so a quad's 4-byte loads of the wgmma's register
+# A fragment (rows g, words t + const) hit 32 banks (row stride 33 words); q is stored with the
+# same permutation, so the dot products are unchanged. Bases: offset bit -> [row, column].
+_PAGE_SMEM_REGS = gl.PaddedSharedLayout(
+    [[DIM, 4]],
+    [[0, 1], [0, 2], [0, 16], [0, 32], [0, 64], [0, 4], [0, 8]] + [[1 << b, 0] for b in range(6)],
+    [],
+    [PAGE, DIM],
+)
+# keys through the swizzled tile (the default) / as a register A, K permuted / in order
+VARIANTS = ("tile", "regs", "regs_inorder")
 
 
 @constexpr_function
@@ -151,9 +171,11 @@ def _fill_hidden(out_row, start, width, chunk, num_chunks, LAYOUT: gl.constexpr)
 @gluon.jit
 def _page_step(j, n, blk_next, cache_ptr, ks_ptr, bt_row, flat, pages, scales, k_smem, q_smem, w,
                keys0, limit, width, out_row, dot_scale, STAGE: gl.constexpr, STAGES_: gl.constexpr,
-               COPY: gl.constexpr, SC: gl.constexpr, RD: gl.constexpr, ACC: gl.constexpr):
-    """Page j (of n) of the program, in stage STAGE: steps 1-4 of the module doc. Returns the
-    block of page j + STAGES (the next copy's)."""
+               COPY: gl.constexpr, SC: gl.constexpr, RD: gl.constexpr, ACC: gl.constexpr,
+               A_REGS: gl.constexpr):
+    """Page j (of n) of the program, in stage STAGE: steps 1-4 of the module doc (A_REGS: the
+    keys go to the wgmma from registers, step 3 without the tile). Returns the block of page
+    j + STAGES (the next copy's)."""
     async_copy.wait_group(STAGES_ - 2)  # page j's copies (this thread's)
     gl.thread_barrier()  # everyone's; every warp is done with page j - 1 and its stage
     REFILL: gl.constexpr = (STAGE + STAGES_ - 1) % STAGES_  # the stage page j - 1 used
@@ -161,16 +183,24 @@ def _page_step(j, n, blk_next, cache_ptr, ks_ptr, bt_row, flat, pages, scales, k
     if ahead < n:
         _copy_page(cache_ptr, ks_ptr, blk_next, flat, scales.index(REFILL), REFILL, COPY, SC)
     async_copy.commit_group()
-    k_smem.store(pages.index(STAGE).load(RD))  # 132-byte rows -> the swizzled tile
-    k_scale = scales.index(STAGE).load(gl.SliceLayout(1, ACC))
-    fence_async_shared()  # the tile (and q) for the wgmma, of every warp
-    gl.thread_barrier()
     P: gl.constexpr = k_smem.shape[0]
     H: gl.constexpr = q_smem.shape[0]
-    acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([P, H], gl.float32, ACC),
-                        use_acc=False, is_async=True)
-    blk_next = gl.load(bt_row + gl.minimum(ahead + 1, n - 1))  # while the wgmma runs
-    acc = warpgroup_mma_wait(0, deps=(acc,))
+    if A_REGS:  # the page's keys straight into the wgmma's A fragment (k_width 4: 8-bit)
+        a = pages.index(STAGE).load(gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4))
+        k_scale = scales.index(STAGE).load(gl.SliceLayout(1, ACC))
+        acc = warpgroup_mma(a, q_smem.permute((1, 0)), gl.zeros([P, H], gl.float32, ACC),
+                            use_acc=False, is_async=True)
+        blk_next = gl.load(bt_row + gl.minimum(ahead + 1, n - 1))  # while the wgmma runs
+        acc = warpgroup_mma_wait(0, deps=(acc,))  # (8-bit deps fail to lower)
+    else:
+        k_smem.store(pages.index(STAGE).load(RD))  # 132-byte rows -> the swizzled tile
+        k_scale = scales.index(STAGE).load(gl.SliceLayout(1, ACC))
+        fence_async_shared()  # the tile (and q) for the wgmma, of every warp
+        gl.thread_barrier()
+        acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([P, H], gl.float32, ACC),
+                            use_acc=False, is_async=True)
+        blk_next = gl.load(bt_row + gl.minimum(ahead + 1, n - 1))  # while the wgmma runs
+        acc = warpgroup_mma_wait(0, deps=(acc,))
     total = gl.sum(gl.maximum(acc * dot_scale, 0.0) * w[None, :], axis=1) * k_scale
     keys = keys0 + j * P
     gl.store(out_row + keys, gl.where(keys < limit, total, float("-inf")), mask=keys < width)
@@ -184,7 +214,8 @@ def _indexer_gluon_kernel(q_ptr, w_ptr, cache_ptr, ks_ptr, out_ptr, bt_ptr, qsl_
                           stride_bt, STAGES_: gl.constexpr, MIN_PAGES_: gl.constexpr,
                           FILL_HIDDEN: gl.constexpr, FLAT_SMEM: gl.constexpr,
                           PAGE_SMEM: gl.constexpr, SCALE_SMEM: gl.constexpr,
-                          TILE_SMEM: gl.constexpr):
+                          TILE_SMEM: gl.constexpr, A_REGS: gl.constexpr = False,
+                          PERM_K: gl.constexpr = False):
     P: gl.constexpr = 64  # keys a page: the M of the wgmma
     H: gl.constexpr = 64  # heads: its N
     D: gl.constexpr = 128  # head dim: its K
@@ -230,7 +261,11 @@ def _indexer_gluon_kernel(q_ptr, w_ptr, cache_ptr, ks_ptr, out_ptr, bt_ptr, qsl_
             h = gl.arange(0, H, layout=gl.SliceLayout(1, QL))
             d = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
             q_row = q_ptr + row.to(gl.int64) * stride_qt
+            if PERM_K:  # q's columns permuted as the keys' (PAGE_SMEM is _PAGE_SMEM_REGS)
+                d = (d & 3) | ((d & 12) << 3) | ((d & 112) >> 2)
             q_smem.store(gl.load(q_row + h[:, None] * stride_qh + d[None, :]))
+            if A_REGS:
+                fence_async_shared()  # q for the wgmma (the first page's barrier follows)
             heads = gl.arange(0, H, layout=gl.SliceLayout(0, ACC))
             w = gl.load(w_ptr + row.to(gl.int64) * stride_wt + heads)
             keys0 = lo * P + gl.arange(0, P, layout=gl.SliceLayout(1, ACC))
@@ -240,7 +275,7 @@ def _indexer_gluon_kernel(q_ptr, w_ptr, cache_ptr, ks_ptr, out_ptr, bt_ptr, qsl_
                         blk_next = _page_step(base + s, n, blk_next, cache_ptr, ks_ptr, bt_row,
                                               flat, pages, scales, k_smem, q_smem, w, keys0,
                                               limit, width, out_row, dot_scale, s, STAGES_, COPY,
-                                              SC, RD, ACC)
+                                              SC, RD, ACC, A_REGS)
 # fmt: on
 
 
@@ -341,7 +376,7 @@ def _chunks(num_seqs: int, width: int, waves: int, device: torch.device) -> int:
 
 
 def _launch(q, head_weights, index_cache, block_table, query_start_loc, seq_lens, positions,
-            width, dot_scale, fill_hidden, waves, stages=None):  # fmt: skip
+            width, dot_scale, fill_hidden, waves, stages=None, variant="tile"):  # fmt: skip
     """The launch itself, for inputs ``check_indexer_gluon_inputs`` passed (the sm_90 compile
     test records it on CPU tensors)."""
     out = torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
@@ -355,8 +390,9 @@ def _launch(q, head_weights, index_cache, block_table, query_start_loc, seq_lens
         q, head_weights, index_cache.view(torch.float8_e4m3fn), k_scale, out, block_table, query_start_loc, seq_lens,
         positions, dot_scale, width, q.stride(0), q.stride(1), head_weights.stride(0),
         out.stride(0), block_table.stride(0), STAGES_=stages or STAGES, MIN_PAGES_=MIN_PAGES,
-        FILL_HIDDEN=fill_hidden, FLAT_SMEM=_FLAT_SMEM, PAGE_SMEM=_PAGE_SMEM,
-        SCALE_SMEM=_SCALE_SMEM, TILE_SMEM=_TILE_SMEM, num_warps=4,
+        FILL_HIDDEN=fill_hidden, FLAT_SMEM=_FLAT_SMEM,
+        PAGE_SMEM=_PAGE_SMEM_REGS if variant == "regs" else _PAGE_SMEM, SCALE_SMEM=_SCALE_SMEM,
+        TILE_SMEM=_TILE_SMEM, A_REGS=variant != "tile", PERM_K=variant == "regs", num_warps=4,
     )
     # fmt: on
     return out
@@ -376,6 +412,7 @@ def indexer_logits_gluon(
     fill_hidden: bool = True,
     waves: int = WAVES,
     stages: int = STAGES,
+    variant: str = "tile",
 ) -> torch.Tensor:
     """Decode index scores over an fp8 cache by the Gluon kernel (the streaming fp8 path of
     ``indexer_logits``: same arguments, one token per request).
@@ -393,6 +430,11 @@ def indexer_logits_gluon(
         waves: programs, about ``waves`` x SMs.
         stages: page stages a program, 2..7 (``stages - 1`` pages in flight; 7: a 64 KB ring,
             two programs an SM).
+        variant: "tile" (the default: the keys repacked into the swizzled tile the wgmma
+            reads) or "regs" (the keys loaded into the wgmma's A fragment from the padded view,
+            their columns and q's in the same permuted order; no tile, no fence, one barrier a
+            page; the fp32 sums may differ from "tile"'s in the last bits: another K order),
+            or "regs_inorder" (the same in K order: 4-way bank conflicts on the loads).
     Returns:
         [T, width] float32 logits.
     Raises:
@@ -400,7 +442,9 @@ def indexer_logits_gluon(
     """
     if not 2 <= stages <= 7 or waves < 1:
         raise ValueError(f"stages must be 2..7 and waves >= 1, got {stages=} {waves=}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     check_indexer_gluon_inputs(q, head_weights, index_cache, block_table, query_start_loc,
                                seq_lens, positions)  # fmt: skip
     return _launch(q, head_weights, index_cache, block_table, query_start_loc, seq_lens,
-                   positions, width, dot_scale, fill_hidden, waves, stages)  # fmt: skip
+                   positions, width, dot_scale, fill_hidden, waves, stages, variant)  # fmt: skip
