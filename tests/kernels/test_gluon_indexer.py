@@ -160,12 +160,13 @@ def test_kernel_compiles_for_sm90_without_spills():
     assert infos[0]["regs"] <= 128, infos[0]  # four programs an SM
 
 
-# variant "regs" (keys to the wgmma from registers): both fills, 3 stages and 7, and the default
+# the variants with the keys as a register A ("regs": both fills, 3 stages and 7; "regs_inorder"),
+# then the default
 _LAUNCHES_REGS = (
     _SETUP
     + r"""
 for stages, fill, variant in ((None, False, "regs"), (None, True, "regs"), (7, False, "regs"),
-                              (None, False, "tile")):
+                              (None, False, "regs_inorder"), (None, False, "tile")):
     gi._launch(q, torch.zeros(B, 64), cache, table, torch.arange(0, B + 1, dtype=torch.int32),
                torch.full((B,), S, dtype=torch.int32), torch.full((B,), S - 1), S, 1.0, fill, 4,
                stages, variant)
@@ -175,7 +176,7 @@ for stages, fill, variant in ((None, False, "regs"), (None, True, "regs"), (7, F
 
 def test_regs_variant_compiles_for_sm90_with_a_from_registers():
     infos = compile_for_sm90(_LAUNCHES_REGS, ptxas=True)
-    assert [i["kernel"] for i in infos] == ["_indexer_gluon_kernel"] * 4, infos
+    assert [i["kernel"] for i in infos] == ["_indexer_gluon_kernel"] * 5, infos
     *regs, tile = infos
     for info in regs:
         assert info["spill"] == 0, info
@@ -185,8 +186,8 @@ def test_regs_variant_compiles_for_sm90_with_a_from_registers():
         assert info["tma_loads"] == 0, info
         assert info["cp_async_bytes"] == [4, 16], info
     assert not tile["wgmma_a_regs"], tile
-    assert regs[0]["shared"] == tile["shared"] - 64 * 128, infos  # no key tile
-    assert regs[0]["regs"] <= 128, regs[0]  # four programs an SM
+    assert regs[0]["shared"] == regs[3]["shared"] == tile["shared"] - 64 * 128, infos  # no tile
+    assert regs[0]["regs"] <= 128 and regs[3]["regs"] <= 128, infos  # four programs an SM
 
 
 @pytest.mark.skipif(
