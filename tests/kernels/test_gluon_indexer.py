@@ -27,6 +27,7 @@ from attnserve.ops.gluon_indexer import (  # noqa: E402
     in_indexer_gluon_class,
     indexer_gluon_takes,
     indexer_logits_gluon,
+    pick_variant,
 )
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
@@ -104,6 +105,16 @@ def test_the_class_indexer_logits_may_send_here(change, takes):
     args = (d["q"], d["head_weights"], d["index_cache"], d["max_query_len"])
     assert in_indexer_gluon_class(*args) is takes
     assert indexer_gluon_takes(*args) is False  # on CPU nothing goes to the Gluon kernel
+
+
+@pytest.mark.parametrize(
+    "requests,width,variant",
+    [(1, 131072, "tile"), (8, 8192, "tile"), (8, 32768, "regs"), (32, 8192, "regs"),
+     (32, 131072, "regs"), (2, 131071, "tile")],
+)
+def test_large_launches_take_the_register_operand_variant(requests, width, variant):
+    # measured on the H200: "regs" from 8 x 32K (262,144 keys) up, "tile" below
+    assert pick_variant(requests, width) == variant
 
 
 @pytest.mark.parametrize("stage", range(8))

@@ -33,7 +33,8 @@ each (~68 KB an SM). Per page:
    ``w[t, h]`` and the sum over heads is a reduction along N (within a thread, then the quad's
    shuffles: no cross-warp step), times the key's scale, -inf past the limit, fp32 stores.
 
-Variant "regs" (``variant=``; "tile" above is the default): step 3 loads the page's keys from
+Variant "regs" (``variant=``; ``pick_variant`` takes it from 2^18 keys a launch, "tile" above
+below that): step 3 loads the page's keys from
 the padded view straight into the wgmma's A fragment (registers, ``k_width`` 4), so no tile, no
 fence and one barrier a page. The view reads a row's 32 4-byte words in a permuted order (bank
 conflict-free 4-byte loads at the 33-word row stride) and q is stored with the same column
@@ -72,7 +73,7 @@ from attnserve.kvcache.fp8 import indexer_fp8_views
 from attnserve.ops.triton_mla import num_sms
 
 __all__ = ["check_indexer_gluon_inputs", "in_indexer_gluon_class", "indexer_gluon_takes",
-           "indexer_logits_gluon"]  # fmt: skip
+           "indexer_logits_gluon", "pick_variant"]  # fmt: skip
 
 HEADS, DIM, PAGE = 64, 128, 64  # DeepSeek-V3.2 / GLM-5 indexer heads, head dim; keys a page
 ROW_BYTES = DIM + 4  # e4m3 values, then the fp32 scale
@@ -100,6 +101,16 @@ _PAGE_SMEM_REGS = gl.PaddedSharedLayout(
 )
 # keys through the swizzled tile (the default) / as a register A, K permuted / in order
 VARIANTS = ("tile", "regs", "regs_inorder")
+# keys (requests x width) from which "regs" is faster than "tile" (H200, gpu_indexer_gluon.py:
+# 1.05-1.23x at 8 x 32K up to 32 x 128K, 86% of the copy bandwidth there; but 0.80-0.96x at
+# batch 1 and at 8 x 8K, where one barrier less does not pay for its longer loads)
+REGS_FROM_KEYS = 1 << 18
+
+
+def pick_variant(num_requests: int, width: int) -> str:
+    """The variant a launch of ``num_requests`` rows over ``width`` key columns takes (host-side:
+    the bounds, not the lengths)."""
+    return "regs" if num_requests * width >= REGS_FROM_KEYS else "tile"
 
 
 @constexpr_function
@@ -412,7 +423,7 @@ def indexer_logits_gluon(
     fill_hidden: bool = True,
     waves: int = WAVES,
     stages: int = STAGES,
-    variant: str = "tile",
+    variant: str | None = None,
 ) -> torch.Tensor:
     """Decode index scores over an fp8 cache by the Gluon kernel (the streaming fp8 path of
     ``indexer_logits``: same arguments, one token per request).
@@ -430,8 +441,8 @@ def indexer_logits_gluon(
         waves: programs, about ``waves`` x SMs.
         stages: page stages a program, 2..7 (``stages - 1`` pages in flight; 7: a 64 KB ring,
             two programs an SM).
-        variant: "tile" (the default: the keys repacked into the swizzled tile the wgmma
-            reads) or "regs" (the keys loaded into the wgmma's A fragment from the padded view,
+        variant: None (``pick_variant``: "regs" for large batches, "tile" for small ones),
+            "tile" (the keys repacked into the swizzled tile the wgmma reads) or "regs" (the keys loaded into the wgmma's A fragment from the padded view,
             their columns and q's in the same permuted order; no tile, no fence, one barrier a
             page; the fp32 sums may differ from "tile"'s in the last bits: another K order),
             or "regs_inorder" (the same in K order: 4-way bank conflicts on the loads).
@@ -442,6 +453,8 @@ def indexer_logits_gluon(
     """
     if not 2 <= stages <= 7 or waves < 1:
         raise ValueError(f"stages must be 2..7 and waves >= 1, got {stages=} {waves=}")
+    if variant is None:
+        variant = pick_variant(seq_lens.shape[0], width)
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     check_indexer_gluon_inputs(q, head_weights, index_cache, block_table, query_start_loc,
