@@ -34,15 +34,12 @@ runs the checks and nothing else (no ceilings, no peers); leaving ``checks`` out
 them. The checks, when run, come before any timing; a failed check does not stop the timing, but
 the run exits 1 and the JSON's ``checks_ok`` is false. ``--decode-shapes`` (BATCHxCONTEXT) and
 ``--prefill-tokens`` replace the default grid of their part (an error where ``--only`` leaves that
-part out). Issue #22's rows: ``--decode-shapes 1x32768,16x4096 --prefill-tokens 16384``. ``--graph-calls 8``
-repeats each timing graph's rotation to at least 8 calls (ours and the peers alike), so that the
-graph's launch is shared as in a model step (a big shape has one or two sets: a graph of one
-call also times its own launch, 5-10 us on the H200).
+part out). Issue #22's rows: ``--decode-shapes 1x32768,16x4096 --prefill-tokens 16384``.
+``--graph-calls 8`` repeats each timing graph's rotation (ours and the peers') to 8+ calls, sharing
+the graph's launch as a model step does (a graph of one big set's call also times it: 5-10 us).
 The default run is the checks, the ceilings, 20 decode and 6 prefill rows; ``--budget-s``
 (counted from the start, checks included) stops starting new shapes, so the run ends by the
-budget plus the row in flight. On the H200 (2026-12-03, ``--budget-s 70``, before the 32K
-column) the checks and the 16 decode rows fit in the budget and the prefill rows were cut at 1K;
-the full default grid has not been timed in one run.
+budget plus the row in flight (the full default grid has not been timed in one run on the H200).
 
 Prints a compact table last (only the parts run); writes ``$OUT/gpu_attention.json`` when ``OUT``
 is set. Not a test: correctness on CPU is ``tests/kernels/test_triton_attention.py``.
@@ -277,10 +274,8 @@ def time_per_call(
     calls: list[Callable[[], object]], rep_ms: int = 100, min_calls: int | None = None
 ) -> tuple[float, bool]:
     """Median seconds per call over a CUDA graph of all calls (eager rotation if capture fails);
-    in smoke runs (CPU), one plain pass. ``min_calls``: the graph repeats the rotation up to at
-    least that many calls, so that its one launch is shared as a model step's graph shares it
-    among its layers (with one or two big sets, a graph of one call also times the graph's own
-    launch: 5-10 us on the H200). Default ``GRAPH_CALLS`` (``--graph-calls``; 1)."""
+    in smoke runs (CPU), one plain pass. The rotation is repeated to ``min_calls`` (default
+    ``GRAPH_CALLS``) calls a graph, sharing the graph's launch (see ``--graph-calls``)."""
     min_calls = GRAPH_CALLS if min_calls is None else min_calls
     calls = [calls[i % len(calls)] for i in range(max(len(calls), min_calls))]
     if DEV != "cuda":
@@ -498,13 +493,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="BxCTX,...",
         help=f"decode shapes to time (default batches {DECODE_BATCHES} x contexts {DECODE_CTX})",
     )
-    ap.add_argument(
-        "--graph-calls",
-        type=int,
-        default=1,
-        metavar="N",
-        help="least calls in each timing graph, the rotation repeated (shares the graph's launch)",
-    )
+    ap.add_argument("--graph-calls", type=int, default=1, metavar="N",
+                    help="least calls a timing graph holds (shares its launch)")  # fmt: skip
     ap.add_argument(
         "--prefill-tokens",
         type=positive_ints,

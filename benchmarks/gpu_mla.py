@@ -53,6 +53,8 @@ from ceilings import describe, fractions, measure_ceilings  # noqa: E402
 from gpu_mla_report import print_tables  # noqa: E402
 
 from attnserve.attention.backends.torch_mla_sparse import index_scores  # noqa: E402
+from attnserve.attention.backends.triton_mla import pick_decode_kernel  # noqa: E402
+from attnserve.attention.backends.triton_mla_sparse import pick_sparse_kernel  # noqa: E402
 from attnserve.attention.reference_mla import (  # noqa: E402
     absorb_q,
     apply_w_uv,
@@ -68,12 +70,6 @@ from attnserve.kvcache.fp8 import (  # noqa: E402
     mla_fp8_row_bytes,
     mla_fp8_views,
     quantize_act_fp8,
-)
-from attnserve.ops.gluon_mla import gluon_takes, mla_decode_gluon  # noqa: E402
-from attnserve.ops.gluon_mla_sparse import sparse_gluon_takes, sparse_mla_gluon  # noqa: E402
-from attnserve.ops.gluon_mla_sparse_fp8 import (  # noqa: E402
-    sparse_gluon_fp8_takes,
-    sparse_mla_gluon_fp8,
 )
 from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
 from attnserve.ops.triton_mla_sparse import (  # noqa: E402
@@ -368,14 +364,11 @@ def time_latent(kind: str, batch: int, heads: int, ctx: int, fp8: bool, config=N
 def engine_kernel(q: torch.Tensor, cache: torch.Tensor, sparse: bool, config=None):
     """("gluon" | "triton", the function) the MLA backends launch for these inputs; a sweep's
     explicit ``config`` always times the Triton kernel."""
-    if config is None:
-        if sparse and sparse_gluon_takes(q, cache, S.rank):
-            return "gluon", sparse_mla_gluon
-        if sparse and sparse_gluon_fp8_takes(q, cache, S.rank):
-            return "gluon", sparse_mla_gluon_fp8
-        if not sparse and gluon_takes(q, cache, S.rank):
-            return "gluon", mla_decode_gluon
-    return "triton", sparse_mla if sparse else mla_decode
+    triton_fn = sparse_mla if sparse else mla_decode
+    if config is not None:
+        return "triton", triton_fn
+    fn = (pick_sparse_kernel if sparse else pick_decode_kernel)(q, cache, S.rank)
+    return ("triton" if fn is triton_fn else "gluon"), fn
 
 
 def time_dense_peer(batch: int, heads: int, ctx: int) -> dict:

@@ -54,8 +54,6 @@ checks and times it on a Hopper GPU. The PyTorch twin is ``attention.reference_m
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -70,6 +68,7 @@ from triton.runtime.jit import constexpr_function
 
 from attnserve import env
 from attnserve.kvcache.fp8 import indexer_fp8_views
+from attnserve.ops.gluon_mla import _is_hopper
 from attnserve.ops.triton_mla import num_sms
 
 __all__ = ["check_indexer_gluon_inputs", "in_indexer_gluon_class", "indexer_gluon_takes",
@@ -288,16 +287,6 @@ def _indexer_gluon_kernel(q_ptr, w_ptr, cache_ptr, ks_ptr, out_ptr, bt_ptr, qsl_
                                               limit, width, out_row, dot_scale, s, STAGES_, COPY,
                                               SC, RD, ACC, A_REGS)
 # fmt: on
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
-def _is_hopper(device: torch.device) -> bool:
-    """Capability 9 (sm_90), cached per device."""
-    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _class_problem(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor,

@@ -48,6 +48,12 @@ __all__ = [
 ABSORBED_MAX_QUERY = 128
 
 
+def pick_decode_kernel(q_abs: torch.Tensor, cache: torch.Tensor, rank: int):
+    """The kernel absorbed rows go to (``mla_decode``'s contract): on a Hopper GPU the Gluon one
+    where it takes the shape, else Triton's ``mla_decode``."""
+    return mla_decode_gluon if gluon_takes(q_abs, cache, rank) else mla_decode
+
+
 @dataclass(slots=True)
 class TritonMLAMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 where nothing is written
@@ -138,8 +144,7 @@ class TritonMLABackend(AttentionBackend):
         if n:
             q_rows = q[:n] if rows is None else q.index_select(0, rows)  # [N, H, d_nope + R]
             q_abs = absorb_query(q_rows, w_kv_b, d_nope)  # [N, H, L + R]
-            decode = mla_decode_gluon if gluon_takes(q_abs, cache, rank) else mla_decode
-            u = decode(
+            u = pick_decode_kernel(q_abs, cache, rank)(
                 q_abs,
                 cache,
                 metadata.block_table,

@@ -44,6 +44,16 @@ __all__ = ["TritonMLASparseBackend", "TritonMLASparseMetadata"]
 _CHUNK_ELEMENTS = 1 << 24
 
 
+def pick_sparse_kernel(q_abs: torch.Tensor, cache: torch.Tensor, rank: int):
+    """The kernel sparse rows go to (``sparse_mla``'s contract): on a Hopper GPU the Gluon one
+    for bf16 or fp8 latent rows where it takes the shape, else Triton's ``sparse_mla``."""
+    if sparse_gluon_takes(q_abs, cache, rank):
+        return sparse_mla_gluon
+    if sparse_gluon_fp8_takes(q_abs, cache, rank):
+        return sparse_mla_gluon_fp8
+    return sparse_mla
+
+
 @dataclass(slots=True)
 class TritonMLASparseMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 where nothing is written
@@ -155,9 +165,7 @@ class TritonMLASparseBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], q.shape[1], w_kv_b.shape[1] - d_nope)
         for a, b in _chunks(0, q.shape[0], q.shape[1] * (rank + rope)):
             q_abs = absorb_query(q[a:b], w_kv_b, d_nope)  # [rows, H, L + R]
-            attend = sparse_mla_gluon if sparse_gluon_takes(q_abs, cache, rank) else sparse_mla
-            attend = sparse_mla_gluon_fp8 if sparse_gluon_fp8_takes(q_abs, cache, rank) else attend
-            u = attend(
+            u = pick_sparse_kernel(q_abs, cache, rank)(
                 q_abs, cache, metadata.block_table,
                 metadata.seq_lens, topk_indices[a:b], metadata.token_req[a:b],
                 kv_lora_rank=rank, scale=layer.scale,
