@@ -32,7 +32,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from attnserve.engine.engine_process import _StepMessage
+from attnserve.engine.engine_process import StepMessage
 from attnserve.engine.output_deltas import OutputAssembler, OutputEncoder
 from attnserve.engine.output_processor import CompletionState, RequestState
 from attnserve.outputs import Logprob
@@ -69,14 +69,14 @@ def _advance(states: list[RequestState], step: int, num_logprobs: int) -> None:
         state.last_token_time += 0.01
 
 
-def _new_path(states: list[RequestState]) -> _StepMessage:
+def _new_path(states: list[RequestState]) -> StepMessage:
     # as _EngineLoop._step: the engine's deltas, keyed by the frontend's number for the request
-    return _StepMessage([(key, *state.to_delta()[1:]) for key, state in enumerate(states)])
+    return StepMessage([(key, *state.to_delta()[1:]) for key, state in enumerate(states)])
 
 
-def _old_path(states: list[RequestState], encoder: OutputEncoder) -> _StepMessage:
+def _old_path(states: list[RequestState], encoder: OutputEncoder) -> StepMessage:
     outs = [state.to_output() for state in states]
-    return _StepMessage([encoder.encode(key, out) for key, out in enumerate(outs)])
+    return StepMessage([encoder.encode(key, out) for key, out in enumerate(outs)])
 
 
 def main() -> None:
@@ -129,7 +129,7 @@ def main() -> None:
         t5 = time.perf_counter()
         outs = [state.to_output() for state in states]
         t6 = time.perf_counter()
-        old = _StepMessage([encoder.encode(key, out) for key, out in enumerate(outs)])
+        old = StepMessage([encoder.encode(key, out) for key, out in enumerate(outs)])
         t7 = time.perf_counter()
         pickle.dumps(old, protocol=5)
         t8 = time.perf_counter()

@@ -28,7 +28,7 @@ import pytest
 from attnserve.engine.async_engine import AsyncLLMEngine
 from attnserve.engine.engine import PromptError
 from attnserve.engine.engine_client import EngineDeadError
-from attnserve.engine.engine_process import EngineProcessClient, _Outbox
+from attnserve.engine.engine_process import EngineProcessClient, Outbox
 from attnserve.engine.output_deltas import OutputAssembler, OutputEncoder
 from attnserve.entrypoints.openai.api_server import build_app
 from attnserve.outputs import CompletionOutput, RequestOutput
@@ -131,7 +131,7 @@ def test_a_message_carries_each_request_s_deltas_merged():
     def out(rid: str, tokens: list[int]) -> RequestOutput:
         return RequestOutput(rid, None, [1], None, [CompletionOutput(0, "ab" * len(tokens), tokens)], False)
 
-    outbox, encoder = _Outbox(), OutputEncoder()
+    outbox, encoder = Outbox(), OutputEncoder()
     outbox.add_deltas([encoder.encode(0, out("a", [5])), encoder.encode(1, out("b", [6]))])
     outbox.add_deltas([encoder.encode(0, out("a", [5, 7]))])
     for event in (("forget", 1), ("error", 2, PromptError("bad")), ("result", 9, True, 42)):

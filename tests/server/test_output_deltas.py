@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import pickle
 
-from attnserve.engine.engine_process import _Outbox
+from attnserve.engine.engine_process import Outbox
 from attnserve.engine.output_deltas import OutputAssembler, OutputEncoder, merge_deltas
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 from attnserve.sampling_params import SamplingParams
@@ -49,7 +49,7 @@ def test_engine_deltas_rebuild_its_outputs_step_by_step(reference):
     for rid, prompt, params in _requests(stop):
         engine.add_request(rid, prompt, params)
     encoder, assemblers = OutputEncoder(), {}
-    outbox, merged_assemblers, latest = _Outbox(), {}, {}
+    outbox, merged_assemblers, latest = Outbox(), {}, {}
     cut_sent_text = False
     for step in itertools.count():
         if not engine.has_unfinished_requests():
@@ -124,7 +124,7 @@ def test_merged_deltas_apply_as_the_deltas_in_order():
 
 
 def test_the_outbox_drops_the_deltas_of_an_ended_request():
-    outbox, encoder = _Outbox(), OutputEncoder()
+    outbox, encoder = Outbox(), OutputEncoder()
     outs = _outputs()
     outbox.add_deltas([encoder.encode(0, outs[0]), encoder.encode(1, outs[0])])
     outbox.add_deltas([encoder.encode(0, outs[1])])

@@ -1,10 +1,10 @@
 """AsyncLLMEngine: the ``LLMEngine`` on a background thread, for asyncio servers.
 
 One thread owns the engine and is the only one that touches it. Callers reach it through a
-thread-safe command queue (add, abort, call) and get each request's outputs back on an
-``asyncio.Queue`` of their own event loop. When nothing is running the thread sleeps on the
-queue; while requests run it drains the queue between steps, so new requests join the running
-batch as they arrive and aborts free their blocks before the next step.
+thread-safe queue of commands (``commands.py``: add, abort, call, stop) and get each request's
+outputs back on an ``asyncio.Queue`` of their own event loop. When nothing is running the
+thread sleeps on the queue; while requests run it drains the queue between steps, so new
+requests join the running batch as they arrive and aborts free their blocks before the next step.
 
 Outputs are cumulative (each ``RequestOutput`` holds everything so far), so a consumer that
 falls behind gets only the latest one: nothing is lost, the stream just gets coarser.
@@ -25,11 +25,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from attnserve.engine.commands import AbortRequest, AddRequest, Command, EngineCall, Stop
 from attnserve.engine.engine import LLMEngine
 from attnserve.engine.engine_client import (
     END,
@@ -115,26 +115,6 @@ def cuda_index(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams
-    sink: OutputSink
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    future: concurrent.futures.Future
-
-
-_STOP = object()
 _STALL_POLL_S = 0.005  # how long the thread waits for commands when no request can run
 
 
@@ -154,7 +134,7 @@ class AsyncLLMEngine:
         self.max_logprobs, self.cache_info = facts.max_logprobs, facts.cache_info
         self.generation_config = facts.generation_config  # the model's sampling defaults
         self._throughput = ThroughputLogger(log_stats_interval) if log_stats_interval is not None else None
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stats = EngineStats()
         self._num_aborted = 0
         self._error: BaseException | None = None
@@ -187,7 +167,7 @@ class AsyncLLMEngine:
         """Stop the thread; requests still running end with ``EngineDeadError``."""
         if self._thread is None:
             return
-        self._commands.put(_STOP)
+        self._commands.put(Stop())
         self._thread.join(timeout)
 
     @property
@@ -199,7 +179,7 @@ class AsyncLLMEngine:
         """What killed the engine thread, if something did."""
         return self._error
 
-    def _submit(self, cmd: Any) -> None:
+    def _submit(self, cmd: Command) -> None:
         with self._lock:
             if not self.is_alive:
                 raise EngineDeadError("the engine is not running")
@@ -224,18 +204,18 @@ class AsyncLLMEngine:
             consumer stops early (closes the iterator, is cancelled), the request is aborted
             and its blocks freed. Engine-side errors (a bad prompt) are raised from it.
         """
-        return stream_outputs(lambda sink: self._submit(_Add(request_id, prompt, params, sink)),
+        return stream_outputs(lambda sink: self._submit(AddRequest(request_id, prompt, params, sink)),
                               lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (from any thread); unknown ids are ignored."""
-        self._commands.put(_Abort(request_id))
+        self._commands.put(AbortRequest(request_id))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread, between steps (for checks and tests)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self._submit(_Call(fn, future))
+            self._submit(EngineCall(fn, future))
         except EngineDeadError as e:
             future.set_exception(e)
         return future
@@ -291,7 +271,7 @@ class AsyncLLMEngine:
         except queue.Empty:
             return True
         while True:
-            if cmd is _STOP:
+            if isinstance(cmd, Stop):
                 return False
             self._apply(cmd, sinks)
             try:
@@ -312,27 +292,27 @@ class AsyncLLMEngine:
         put_all(batch)
         return bool(outputs)
 
-    def _apply(self, cmd: Any, sinks: dict[str, OutputSink]) -> None:
+    def _apply(self, cmd: Command, sinks: dict[str, OutputSink]) -> None:
         engine = self._engine
-        if isinstance(cmd, _Add):
+        if isinstance(cmd, AddRequest):
             try:
                 engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
             except (ValueError, TypeError) as e:  # PromptError, a duplicate id: the request's fault
-                cmd.sink.put(e)
+                cmd.reply.put(e)
                 return
-            sinks[cmd.request_id] = cmd.sink
-        elif isinstance(cmd, _Abort):
+            sinks[cmd.request_id] = cmd.reply
+        elif isinstance(cmd, AbortRequest):
             sink = sinks.pop(cmd.request_id, None)
             if sink is not None:
                 engine.abort_request(cmd.request_id)
                 self._num_aborted += 1
                 sink.put(END)
-        elif isinstance(cmd, _Call):
-            if cmd.future.set_running_or_notify_cancel():
+        elif isinstance(cmd, EngineCall):
+            if cmd.reply.set_running_or_notify_cancel():
                 try:
-                    cmd.future.set_result(cmd.fn(engine))
+                    cmd.reply.set_result(cmd.fn(engine))
                 except Exception as e:  # noqa: BLE001 - handed to the caller
-                    cmd.future.set_exception(e)
+                    cmd.reply.set_exception(e)
 
     def _publish_stats(self) -> None:
         engine = self._engine
@@ -363,7 +343,7 @@ class AsyncLLMEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
-                cmd.sink.put(error)
-            elif isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
-                cmd.future.set_exception(error)
+            if isinstance(cmd, AddRequest):
+                cmd.reply.put(error)
+            elif isinstance(cmd, EngineCall) and cmd.reply.set_running_or_notify_cancel():
+                cmd.reply.set_exception(error)

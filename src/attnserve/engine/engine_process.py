@@ -8,9 +8,10 @@ EngineCore) and keeps only HTTP in the server's process.
 The child (``multiprocessing`` "spawn": CUDA cannot be forked) builds ``LLMEngine(config)`` and
 sends ``EngineFacts`` once ready, or its start-up error (raised by the frontend, same type and
 message). Then its main thread runs ``AsyncLLMEngine``'s own loop (``_EngineLoop``: drain
-commands, step while there is work); a reader thread turns the frontend's commands (add, abort,
-call, stop) into that loop's commands, and a sender thread pickles and sends what the loop hands
-it: one ``_StepMessage`` per step (errors; call results; the step's ``EngineStats``; the step's
+commands, step while there is work); a reader thread queues the frontend's commands for that
+loop (``commands.py``, the loop's own; an add's or a call's reply, the frontend's number for it,
+bound to the outbox first), and a sender thread pickles and sends what the loop hands it: one
+``StepMessage`` per step (errors; call results; the step's ``EngineStats``; the step's
 outputs as deltas, ``output_deltas.py``, which the engine makes from its request state on the
 loop's thread, ``LLMEngine.step(deltas=True)``: no cumulative output is built in the child). The
 loop never waits for the frontend: while the sender is blocked on a full pipe, steps pile up in
@@ -24,7 +25,8 @@ The frontend loads its own tokenizer (chat templates, ``/tokenize``) from the di
 engine loaded it from, and its own ``StructuredOutputManager`` (compiles constraints to check
 them early); it never initialises CUDA.
 
-Not here: the step loop itself (``async_engine.py``), what the server sees (``engine_client.py``).
+Not here: the step loop itself (``async_engine.py``), the commands (``commands.py``), what the
+server sees (``engine_client.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from typing import Any
 
 from attnserve import env
 from attnserve.config import EngineConfig
-from attnserve.engine.async_engine import _STOP, AsyncLLMEngine, _Abort, _Add, _Call
+from attnserve.engine.async_engine import AsyncLLMEngine
+from attnserve.engine.commands import AbortRequest, AddRequest, Command, EngineCall, Stop
 from attnserve.engine.engine_client import (
     END,
     EngineDeadError,
@@ -63,7 +66,7 @@ from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 from attnserve.tokenizer import load_tokenizer
 
-__all__ = ["EngineProcessClient"]
+__all__ = ["EngineProcessClient", "Outbox", "StepMessage"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,30 +84,9 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-# --- messages: frontend -> engine process --------------------------------------------------------
-@dataclass(slots=True)
-class _AddCommand:
-    key: int  # the frontend's number for this request: ids may be reused once one is aborted
-    request_id: str
-    prompt: Any
-    params: SamplingParams
-
-
-@dataclass(slots=True)
-class _AbortCommand:
-    request_id: str
-
-
-@dataclass(slots=True)
-class _CallCommand:
-    call_id: int
-    fn: Callable[[Any], Any]
-
-
-_STOP_COMMAND = "stop"
-
-
 # --- messages: engine process -> frontend --------------------------------------------------------
+# (the frontend sends commands.py's commands; an add's reply is the frontend's number for the
+# request, its key, as ids may be reused once one is aborted; a call's reply is the call's id)
 @dataclass(slots=True)
 class _Ready:
     facts: EngineFacts
@@ -117,7 +99,9 @@ class _StartupFailed:
 
 
 @dataclass(slots=True)
-class _StepMessage:
+class StepMessage:
+    """One message to the frontend: the deltas since the last one (merged per request), events, stats."""
+
     deltas: list[RequestDelta]
     errors: list[tuple[int, BaseException]] = field(default_factory=list)  # (key, why it ended)
     results: list[tuple[int, bool, Any]] = field(default_factory=list)  # (call id, ok, value or error)
@@ -132,7 +116,7 @@ class _RemoteSink:
 
     loop = None
 
-    def __init__(self, key: int, outbox: _Outbox):
+    def __init__(self, key: int, outbox: Outbox):
         self.key, self.outbox = key, outbox
 
     def put(self, item: Any) -> None:
@@ -142,7 +126,7 @@ class _RemoteSink:
             self.outbox.add_event(("error", self.key, _portable(item)))
 
 
-class _Outbox:
+class Outbox:
     """What the loop hands the sender thread: each request's deltas since the last message,
     merged into one (``merge_deltas``), and the events (a request refused or aborted, a call's
     result) in order. While the frontend is behind, the deltas of later steps merge into the
@@ -187,14 +171,14 @@ class _Outbox:
             self._ready = True
             self._cond.notify()
 
-    def take(self) -> _StepMessage:
+    def take(self) -> StepMessage:
         """What is waiting, as one message (the sender thread's, once woken)."""
         with self._cond:
             while not self._ready:
                 self._cond.wait()
             deltas, events, stats, dead = self._deltas, self._events, self._stats, self._dead
             self._deltas, self._events, self._stats, self._ready = {}, [], None, False
-        msg = _StepMessage(list(deltas.values()), stats=stats)
+        msg = StepMessage(list(deltas.values()), stats=stats)
         for event in events:
             if event[0] == "result":
                 msg.results.append(event[1:])
@@ -228,7 +212,7 @@ class _Outbox:
 class _EngineLoop(AsyncLLMEngine):
     """``AsyncLLMEngine``'s loop with its two hooks sending to the outbox."""
 
-    def __init__(self, engine: Any, log_stats_interval: float | None, outbox: _Outbox):
+    def __init__(self, engine: Any, log_stats_interval: float | None, outbox: Outbox):
         super().__init__(engine, start=False, log_stats_interval=log_stats_interval)
         self.outbox = outbox
 
@@ -253,20 +237,20 @@ class _EngineLoop(AsyncLLMEngine):
         frontend died) stops the loop."""
         while True:
             try:
-                cmd = pickle.loads(conn.recv_bytes())
+                cmd: Command = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
-                cmd = _STOP_COMMAND
-            if isinstance(cmd, _AddCommand):
+                cmd = Stop()
+            if isinstance(cmd, AddRequest):  # reply: the frontend's key for the request
                 self._compile(cmd.params)
-                self._commands.put(_Add(cmd.request_id, cmd.prompt, cmd.params, _RemoteSink(cmd.key, self.outbox)))
-            elif isinstance(cmd, _AbortCommand):
-                self._commands.put(_Abort(cmd.request_id))
-            elif isinstance(cmd, _CallCommand):
+                self._commands.put(AddRequest(cmd.request_id, cmd.prompt, cmd.params, _RemoteSink(cmd.reply, self.outbox)))
+            elif isinstance(cmd, AbortRequest):
+                self._commands.put(cmd)
+            elif isinstance(cmd, EngineCall):  # reply: the frontend's id for the call
                 future: concurrent.futures.Future = concurrent.futures.Future()
-                future.add_done_callback(lambda f, cid=cmd.call_id: self.outbox.add_event(("result", cid, *_outcome(f))))
-                self._commands.put(_Call(cmd.fn, future))
+                future.add_done_callback(lambda f, cid=cmd.reply: self.outbox.add_event(("result", cid, *_outcome(f))))
+                self._commands.put(EngineCall(cmd.fn, future))
             else:
-                self._commands.put(_STOP)
+                self._commands.put(Stop())
                 return
 
 
@@ -322,7 +306,7 @@ def run_engine_process(config: EngineConfig, log_stats_interval: float | None, l
         outputs.send_bytes(_dumps(_StartupFailed(_portable(e), traceback.format_exc())))
         return
     engine.structured.warm_up()  # as a server does before its first request (xgrammar's import)
-    outbox = _Outbox()
+    outbox = Outbox()
     loop = _EngineLoop(engine, log_stats_interval, outbox)
     outputs.send_bytes(_dumps(_Ready(EngineFacts.of(engine))))
     sender = threading.Thread(target=outbox.send_loop, args=(outputs,), name="attnserve-engine-sender",
@@ -437,7 +421,7 @@ class EngineProcessClient:
         requests still running end with ``EngineDeadError``. Idempotent."""
         atexit.unregister(self.shutdown)
         try:
-            self._send(_STOP_COMMAND)
+            self._send(Stop())
         except (OSError, EngineDeadError):
             pass
         if self._join(timeout) is None:
@@ -486,7 +470,7 @@ class EngineProcessClient:
                 if request_id in self._keys:  # as the engine says it
                     sink.put_nowait(ValueError(f"request id '{request_id}' is already in use"))
                     return
-                self._send(_AddCommand(key, request_id, prompt, params))
+                self._send(AddRequest(request_id, prompt, params, key))
                 self._streams[key] = _Stream(sink, OutputAssembler(request_id), request_id)
                 self._keys[request_id] = key
 
@@ -505,7 +489,7 @@ class EngineProcessClient:
                 return
             self._forget(key, stream)
             try:
-                self._send(_AbortCommand(stream.request_id))
+                self._send(AbortRequest(stream.request_id))
             except (OSError, EngineDeadError):
                 pass
         stream.sink.put(END)
@@ -525,13 +509,13 @@ class EngineProcessClient:
             call_id = next(self._ids)
             self._calls[call_id] = future
             try:
-                self._send(_CallCommand(call_id, fn))
+                self._send(EngineCall(fn, call_id))
             except Exception as e:  # noqa: BLE001 - not picklable, or the process is gone
                 del self._calls[call_id]
                 future.set_exception(e)
         return future
 
-    def _send(self, cmd: Any) -> None:
+    def _send(self, cmd: Command) -> None:
         data = _dumps(cmd)
         with self._send_lock:
             try:
@@ -544,7 +528,7 @@ class EngineProcessClient:
         error = None
         while error is None:
             try:
-                msg: _StepMessage = pickle.loads(self._outputs.recv_bytes())
+                msg: StepMessage = pickle.loads(self._outputs.recv_bytes())
             except (EOFError, OSError):  # the process died without a word
                 self._error = error = EngineDeadError(f"the engine process died (exit code {self._join(1)})")
                 logger.error("%s", error)
@@ -555,7 +539,7 @@ class EngineProcessClient:
         self._outputs.close()
         self._fail_all(error)
 
-    def _handle(self, msg: _StepMessage) -> None:
+    def _handle(self, msg: StepMessage) -> None:
         batch: list[tuple[OutputSink, Any]] = []
         results = []
         with self._lock:
