@@ -145,9 +145,12 @@ def test_preemption(family):
     check_preemption(family)
 
 
-def test_falcon_alibi_eager_is_not_the_reference(built):
-    """transformers' eager Falcon-ALiBi differs from its sdpa path (the bias counted twice); if a
-    transformers release fixes that, this fails and the eager model can become the reference."""
+def test_falcon_alibi_eager_is_the_sdpa_path_or_the_known_bug(built):
+    """transformers' eager Falcon-ALiBi differed from its sdpa path up to 5.17 (the bias counted
+    twice), so the sdpa model is the reference here; 5.25 computes the same logits both ways.
+    Either state is known: equal to float32 rounding, or off by the double bias; anything in
+    between is a new difference to look at."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
     _, path, sdpa_model, prompts, _ = built("falcon_rw")
@@ -157,7 +160,7 @@ def test_falcon_alibi_eager_is_not_the_reference(built):
     ids = torch.tensor([prompts[-1]])
     with torch.no_grad():
         diff = (eager(ids).logits - sdpa_model(ids).logits).abs().max().item()
-    assert diff > 1e-2
+    assert diff < 1e-4 or diff > 1e-2, f"transformers {transformers.__version__}: eager and sdpa differ by {diff}"
 
 
 @pytest.mark.parametrize("num_heads", [1, 4, 6, 8, 12, 20])
