@@ -4,7 +4,7 @@ One decode step of the mixed workload's attention shape (bfloat16, 8 query and 4
 64, block 16): ``--batch`` sequences with context lengths uniform in ``--min-len..--max-len``
 (seeded), random block tables over a cache with room for all of them; a step is the backend's
 ``build_metadata`` and ``--layers`` forwards (each writes its new K/V and attends). The two
-paths alternate (``ATTNSERVE_CPU_DECODE_KERNEL`` per run), fastest of ``--repeats``, for each
+paths alternate (the backend built with ``attention.decode`` = ``torch`` or ``cpu_ext``), fastest of ``--repeats``, for each
 thread count; the outputs of the two are compared once.
 
     python benchmarks/cpu_decode_attention.py [--batch 64] [--min-len 32] [--max-len 512] [--layers 8]
@@ -14,7 +14,6 @@ thread count; the outputs of the two are compared once.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ import torch
 
 from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.ops import cpu_paged_decode
+from attnserve.ops.cpu import paged_decode as cpu_paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
 
@@ -65,21 +64,21 @@ def main() -> None:
     caches = caches + [tuple(c.clone() for c in caches[0]) for _ in range(args.layers - 1)]
     layer = SimpleNamespace(scale=HEAD_DIM ** -0.5, window=None, alibi_slopes=None, sinks=None, softcap=None,
                             k_scale=1.0, v_scale=1.0)
-    backend = TorchSDPABackend(BLOCK)
+    # the two kernel variants of attention.decode the TORCH_SDPA backend launches
+    paths = {"bucketed SDPA": TorchSDPABackend(BLOCK, {"attention.decode": "torch"}),
+             "paged kernel": TorchSDPABackend(BLOCK, {"attention.decode": "cpu_ext"})}
 
-    def step() -> torch.Tensor:
+    def step(backend) -> torch.Tensor:
         meta = backend.build_metadata(common, 0)
         for i in range(args.layers):
             out = backend.forward(layer, *qkv, caches[i], meta)
         return out
 
-    paths = {"bucketed SDPA": "0", "paged kernel": "1"}
     if not cpu_paged_decode.available():
         raise SystemExit("the CPU decode kernel is not available here")
     outs = {}
-    for name, flag in paths.items():
-        os.environ["ATTNSERVE_CPU_DECODE_KERNEL"] = flag
-        outs[name] = step().float()
+    for name, backend in paths.items():
+        outs[name] = step(backend).float()
     err = (outs["bucketed SDPA"] - outs["paged kernel"]).abs().max().item()
     keys = sum(common.seq_lens_cpu)
     print(f"batch {args.batch}, lengths {args.min_len}..{args.max_len} ({keys} keys), {args.layers} layers, "
@@ -88,10 +87,9 @@ def main() -> None:
         torch.set_num_threads(threads)
         best = dict.fromkeys(paths, float("inf"))
         for _ in range(args.repeats):
-            for name, flag in paths.items():
-                os.environ["ATTNSERVE_CPU_DECODE_KERNEL"] = flag
+            for name, backend in paths.items():
                 start = time.perf_counter()
-                step()
+                step(backend)
                 best[name] = min(best[name], time.perf_counter() - start)
         row = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in best.items())
         print(f"threads {threads}: {row} ({best['bucketed SDPA'] / best['paged kernel']:.2f}x)")

@@ -56,6 +56,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 SMOKE = __name__ == "__main__" and "--smoke" in sys.argv  # not when imported by another script
 if SMOKE:
@@ -68,11 +69,12 @@ from ceilings import NOMINAL_BW, fractions, measure_ceilings  # noqa: E402
 from gpu_attention_report import print_tables  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from attnserve.attention import kernels  # noqa: E402
 from attnserve.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
-from attnserve.ops.gluon_attention import gluon_prefill_takes, launch_prefill  # noqa: E402
-from attnserve.ops.triton_kv_write import write_kv_cache  # noqa: E402
-from attnserve.ops.triton_paged_attention import pick_num_splits, unified_attention  # noqa: E402
+from attnserve.ops.attention.kv_write_triton import write_kv_cache  # noqa: E402
+from attnserve.ops.attention.paged_triton import pick_num_splits, unified_attention  # noqa: E402
+from attnserve.ops.attention.prefill_gluon import launch_prefill  # noqa: E402
 
 HEADS, KV_HEADS, HEAD, PAGE = (4, 2, 32, 16) if SMOKE else (32, 8, 128, 16)
 DTYPE = torch.float32 if SMOKE else torch.bfloat16  # the interpreter cannot do bf16 arithmetic
@@ -419,7 +421,8 @@ def bench_prefill(n: int, peers, ceilings: dict) -> dict | None:
     row["ours"], row["ours_graph"] = time_per_call(calls, rep_ms=200)
     row["kernel"] = "triton"
     b = data[0]
-    if gluon_prefill_takes(b["q"], b["key_cache"], b["value_cache"], max_query_len=n):
+    problem = TritonAttentionBackend._problem(SimpleNamespace(), b["q"], b["key_cache"], b["value_cache"])
+    if kernels.pick("attention.prefill", problem, "TRITON_ATTN").variant == "gluon":
         # what the TRITON_ATTN backend launches on Hopper: the Gluon kernel is "ours", the
         # Triton one it replaces becomes a peer column
         def gluon(b, o):

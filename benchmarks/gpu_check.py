@@ -76,8 +76,8 @@ FAMILIES["deepseek_v3_h128"] = ("deepseek_v3", dict(FAMILIES["deepseek_v3"][1], 
                                                     num_key_value_heads=128, kv_lora_rank=64,
                                                     qk_rope_head_dim=16))
 # the shapes the Gluon kernels take on Hopper (bf16 only; float32 runs the Triton ones): head 128
-# at 4 query heads per KV head (causal prefill, ops/gluon_attention.py) and DeepSeek's real latent
-# width, rank 512 + rope 64 at 128 heads (MLA decode, ops/gluon_mla.py)
+# at 4 query heads per KV head (causal prefill, ops/attention/prefill_gluon.py) and DeepSeek's real latent
+# width, rank 512 + rope 64 at 128 heads (MLA decode, ops/mla/decode_gluon.py)
 FAMILIES["llama_h128"] = ("llama", dict(DENSE, num_attention_heads=8, num_key_value_heads=2, head_dim=128))
 FAMILIES["deepseek_v3_r512"] = ("deepseek_v3", dict(FAMILIES["deepseek_v3"][1], num_attention_heads=128,
                                                     num_key_value_heads=128, kv_lora_rank=512,

@@ -45,7 +45,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from ceilings import measure_ceilings  # noqa: E402
 
-from attnserve.ops.triton_paged_attention import pick_num_splits  # noqa: E402
+from attnserve.ops.attention.paged_triton import pick_num_splits  # noqa: E402
 
 
 # fmt: off

@@ -1,4 +1,4 @@
-"""H200 benchmark of the chunked gated-delta-rule prefill (``ops/triton_delta_prefill.py``).
+"""H200 benchmark of the chunked gated-delta-rule prefill (``ops/state/delta_prefill_triton.py``).
 
 1. Checks the kernel against its PyTorch twin (``gated_delta_prefill``, ``kda_prefill``) on the
    same inputs and state rows (random order in a larger pool, every other sequence with an
@@ -48,7 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from attnserve.attention.state import gated_delta_prefill  # noqa: E402
 from attnserve.attention.state.kda import kda_prefill  # noqa: E402
-from attnserve.ops.triton_delta_prefill import fused_delta_rule_prefill  # noqa: E402
+from attnserve.ops.state.delta_prefill_triton import fused_delta_rule_prefill  # noqa: E402
 
 # name -> (Hk, Hv, dk, dv, decay per key channel)
 MODELS = {"gdn": (16, 32, 128, 128, False), "kda": (32, 32, 128, 128, True)}
@@ -177,7 +177,7 @@ def bench(model: str, b: int, n: int, dtype, sweep: bool) -> dict:
 
 def compiled() -> list[dict]:
     """Registers, spills and shared memory of each compiled variant of the kernel."""
-    from attnserve.ops import triton_delta_prefill as P
+    from attnserve.ops.state import delta_prefill_triton as P
 
     out = []
     for kernel in (P._intra_kernel, P._state_kernel):

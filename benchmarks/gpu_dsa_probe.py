@@ -3,10 +3,10 @@
 Parts (default: all):
 
 - ``micro``: graph-timed (one CUDA graph of 20 calls, median of 7 replays) top-k of 2,048 per
-  row, ``torch.topk`` over the whole width against ``ops/triton_topk.topk_rows`` at several
+  row, ``torch.topk`` over the whole width against ``ops/indexer/topk_triton.topk_rows`` at several
   chunk sizes (rows of a short sequence in a wide buffer included: a CUDA graph's width is
   ``max_model_len``); and ``sparse_mla`` / ``mla_decode`` at 128 heads by KV split count
-  (the basis of ``ops/triton_mla.prepare_latent_launch``'s one-wave rule).
+  (the basis of ``ops/mla/decode_triton.prepare_latent_launch``'s one-wave rule).
 - ``prefill``: one 32K prompt through ``LLM(...)`` (4-layer cuts of V3.2 and V3, 16 routed
   experts, dummy bf16 weights), its time and the CUDA kernels of a profiled repeat.
 - ``decode``: the CUDA kernels of 16 eager decode steps, batch 32 over 8K (V3.2, V3).
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from attnserve import LLM, SamplingParams  # noqa: E402
-from attnserve.ops.triton_mla import mla_decode  # noqa: E402
-from attnserve.ops.triton_mla_sparse import sparse_mla  # noqa: E402
-from attnserve.ops.triton_topk import topk_rows  # noqa: E402
+from attnserve.ops.indexer.topk_triton import topk_rows  # noqa: E402
+from attnserve.ops.mla.decode_triton import mla_decode  # noqa: E402
+from attnserve.ops.mla.sparse_triton import sparse_mla  # noqa: E402
 from attnserve.presets import resolve_config_path  # noqa: E402
 
 DEV = "cuda"

@@ -13,7 +13,7 @@ them instead (the earlier tuned figures: 256 and 16384).
     python benchmarks/gpu_engine.py [--skip-hf] [--max-num-seqs N] [--max-num-batched-tokens N] [--json out.json]
 
 ``--small-m-gemv on,off`` runs the latency rows once per setting of the fused small-M linears
-(``ATTNSERVE_SMALL_M_GEMV``, read when each ``LLM`` is built), as ``latency_8b_gemv_on`` /
+(``disabled_kernels=("triton_gemv",)`` for off, read when each ``LLM`` is built), as ``latency_8b_gemv_on`` /
 ``latency_8b_gemv_off`` (a single setting keeps the plain row names):
 
     python benchmarks/gpu_engine.py --skip-nano --skip-sync --small-m-gemv on,off
@@ -22,7 +22,6 @@ them instead (the earlier tuned figures: 256 and 16384).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -30,7 +29,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,19 +41,10 @@ from attnserve import LLM, SamplingParams  # noqa: E402
 from attnserve.presets import resolve_config_path  # noqa: E402
 
 
-@contextlib.contextmanager
-def small_m_gemv(setting: str | None) -> Iterator[None]:
-    """``ATTNSERVE_SMALL_M_GEMV`` set to ``setting`` ("on" / "off"; None: as given) within."""
-    before = os.environ.get("ATTNSERVE_SMALL_M_GEMV")
-    if setting is not None:
-        os.environ["ATTNSERVE_SMALL_M_GEMV"] = "1" if setting == "on" else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("ATTNSERVE_SMALL_M_GEMV", None)
-        else:
-            os.environ["ATTNSERVE_SMALL_M_GEMV"] = before
+def small_m_gemv(setting: str | None) -> tuple[str, ...]:
+    """The engine's ``disabled_kernels`` for a setting of the fused small-M linears ("off": the
+    ``triton_gemv`` variant of ``dense.small_m`` turned off; "on" or None: the plan's choice)."""
+    return ("triton_gemv",) if setting == "off" else ()
 
 
 def model_dir(name: str) -> str:
@@ -66,11 +55,10 @@ def model_dir(name: str) -> str:
 
 def latency_8b(input_len: int = 128, output_len: int = 256, async_scheduling: bool | None = None,
                gemv: str | None = None) -> dict:
-    """``gemv``: "on" / "off" sets ``ATTNSERVE_SMALL_M_GEMV`` while the engine is built (None: as given)."""
+    """``gemv``: "off" builds the engine with ``disabled_kernels=("triton_gemv",)`` (None, "on": the plan's choice)."""
     d = model_dir("meta-llama/Llama-3.1-8B-Instruct")
-    with small_m_gemv(gemv):
-        llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85,
-                  async_scheduling=async_scheduling)
+    llm = LLM(d, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85,
+              async_scheduling=async_scheduling, disabled_kernels=small_m_gemv(gemv))
     cfg = json.loads((Path(d) / "config.json").read_text())
     params = sum(p.numel() for p in llm.llm_engine.runner.model.parameters())
     weight_bytes = (params - cfg["vocab_size"] * cfg["hidden_size"]) * 2  # the input embedding is not read
@@ -267,7 +255,7 @@ def main() -> None:
     ap.add_argument("--limits", nargs="+", default=[], metavar="SEQSxTOKENS",
                     help="extra nano-vllm runs with these max_num_seqs x max_num_batched_tokens (e.g. 256x16384)")
     ap.add_argument("--small-m-gemv", default=None, metavar="on,off",
-                    help="latency rows once per setting of the fused small-M linears (ATTNSERVE_SMALL_M_GEMV)")
+                    help="latency rows once per setting of the fused small-M linears (off: disabled_kernels triton_gemv)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the platform's")

@@ -1,4 +1,4 @@
-"""H200 benchmark of the fused Gated DeltaNet decode step (``ops/triton_gdn.py``).
+"""H200 benchmark of the fused Gated DeltaNet decode step (``ops/state/delta_decode_triton.py``).
 
 1. Checks the kernel against its PyTorch twin (``delta_rule_decode``) on the same inputs and
    state rows (random order in a larger pool): bf16 q/k/v, float32 state, Qwen3-Next's heads,
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from ceilings import NOMINAL_BW  # noqa: E402
 
 from attnserve.attention.state import delta_rule_decode, gated_delta_decode  # noqa: E402
-from attnserve.ops.triton_gdn import fused_delta_rule_decode  # noqa: E402
+from attnserve.ops.state.delta_decode_triton import fused_delta_rule_decode  # noqa: E402
 
 QWEN3_NEXT = (16, 32, 128, 128)  # Hk, Hv, dk, dv
 BATCHES = [1, 16, 64, 256]

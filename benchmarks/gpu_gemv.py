@@ -1,4 +1,4 @@
-"""The small-M fused linears (``ops/triton_gemv.py``) against cuBLAS and the unfused decode path (H200).
+"""The small-M fused linears (``ops/dense/gemv_triton.py``) against cuBLAS and the unfused decode path (H200).
 
 Shapes: Llama-3.1-8B's layer (qkv N=6144 K=4096, o_proj 4096x4096, gate_up 28672x4096, down
 4096x14336, lm_head 128256x4096) and Qwen3-0.6B's (qkv 4096x1024, o_proj 1024x2048, gate_up
@@ -18,7 +18,7 @@ o_proj and lm_head the plain product.
    replay (CUDA events) / calls. Bandwidth = (W + x + y bytes) / time against 4.25 TB/s.
 
 Prints one line per (shape, M), a table, the winners as ``CONFIGS`` entries to pin in
-``ops/triton_gemv.py``, and the largest M at which the fused path beats the unfused one on every
+``ops/dense/gemv_triton.py``, and the largest M at which the fused path beats the unfused one on every
 shape (for ``layers/gemv.MAX_M``); writes ``$OUT/gpu_gemv.json`` when ``OUT`` is set.
 
     python benchmarks/gpu_gemv.py                      # ~2-3 minutes on the H200 (compiles)
@@ -48,8 +48,9 @@ from ceilings import NOMINAL_BW  # noqa: E402
 from graph_timing import graph_replay_us  # noqa: E402
 
 from attnserve.layers.gemv import act_linear_ref, norm_linear_ref  # noqa: E402
-from attnserve.ops import triton_fused, triton_gemv  # noqa: E402
-from attnserve.ops.triton_gemv import GemvConfig, config_for  # noqa: E402
+from attnserve.ops.dense import fused_triton as triton_fused  # noqa: E402
+from attnserve.ops.dense import gemv_triton as triton_gemv  # noqa: E402
+from attnserve.ops.dense.gemv_triton import GemvConfig, config_for  # noqa: E402
 
 EPS = 1e-5
 SHAPES = {  # name -> (N, K, prologue)
@@ -212,7 +213,7 @@ def summary(rows: list[dict]) -> None:
               f"{r['cublas_us']:>7.1f} {r['cublas_bw']:>5.0%} | {r['unfused_us']:>7.1f} {r['unfused_bw']:>5.0%} | "
               f"{r['unfused_us'] / r['fused_us']:>9.2f}x | {c['block_n']}x{c['block_k']} w{c['num_warps']} "
               f"s{c['num_stages']}{' dot' if c['dot'] else ''}{' (pinned)' if r['pinned'] else ''}")
-    print("\n# winners, to pin in ops/triton_gemv.py CONFIGS (prologue, M bucket, N, K):")
+    print("\n# winners, to pin in ops/dense/gemv_triton.py CONFIGS (prologue, M bucket, N, K):")
     for r in rows:
         if "config" in r and not r["pinned"]:
             c = r["config"]

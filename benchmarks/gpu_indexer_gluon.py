@@ -1,4 +1,4 @@
-"""H200 check and timing of the Gluon indexer decode kernel (``ops/gluon_indexer``) against
+"""H200 check and timing of the Gluon indexer decode kernel (``ops/indexer/logits_gluon``) against
 Triton's streaming one.
 
 1. Checks, fp8 keys, 64 heads x 128, page 64, the cache filled with 0xFF bytes (e4m3 NaN) before
@@ -52,8 +52,8 @@ from gpu_mla import filled_cache, indexer_inputs, indexer_query, sets_for, timer
 from gpu_mla_gluon import fmt, gluon_enabled  # noqa: E402
 
 from attnserve.attention.reference_mla import gather_indexer_keys  # noqa: E402
-from attnserve.ops.gluon_indexer import VARIANTS, indexer_logits_gluon  # noqa: E402
-from attnserve.ops.triton_indexer import indexer_logits, pick_indexer_config  # noqa: E402
+from attnserve.ops.indexer.logits_gluon import VARIANTS, indexer_logits_gluon  # noqa: E402
+from attnserve.ops.indexer.logits_triton import indexer_logits, pick_indexer_config  # noqa: E402
 
 REL_TOL = 2e-2
 VARIANT_TOL = 1e-2  # the variants against the default (another K order in the wgmma)

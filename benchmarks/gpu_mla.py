@@ -52,9 +52,10 @@ import torch.nn.functional as F  # noqa: E402
 from ceilings import describe, fractions, measure_ceilings  # noqa: E402
 from gpu_mla_report import print_tables  # noqa: E402
 
+from attnserve.attention import kernels  # noqa: E402
 from attnserve.attention.backends.torch_mla_sparse import index_scores  # noqa: E402
-from attnserve.attention.backends.triton_mla import pick_decode_kernel  # noqa: E402
-from attnserve.attention.backends.triton_mla_sparse import pick_sparse_kernel  # noqa: E402
+from attnserve.attention.backends.triton_mla import latent_problem  # noqa: E402
+from attnserve.attention.backends.triton_mla_sparse import indexer_problem  # noqa: E402
 from attnserve.attention.reference_mla import (  # noqa: E402
     absorb_q,
     apply_w_uv,
@@ -71,8 +72,10 @@ from attnserve.kvcache.fp8 import (  # noqa: E402
     mla_fp8_views,
     quantize_act_fp8,
 )
-from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
-from attnserve.ops.triton_mla_sparse import (  # noqa: E402
+from attnserve.ops.mla.decode_triton import mla_decode  # noqa: E402
+from attnserve.ops.mla.decode_triton_tma import mla_decode_tma  # noqa: E402
+from attnserve.ops.mla.latent import MLAConfig  # noqa: E402
+from attnserve.ops.mla.sparse_triton import (  # noqa: E402
     IndexerConfig,
     indexer_logits,
     lightning_indexer_topk,
@@ -202,8 +205,8 @@ def check_dense(heads: int, fp8: bool, splits: int | None) -> dict:
     ref = mla_decode_absorbed(q_nope, q_pe, cache, table, qsl, lens_t, w_uk=w_uk, w_uv=w_uv,
                               scale=SCALE)  # fmt: skip
     q = absorb_q(q_nope, q_pe, w_uk).to(torch.bfloat16)
-    u = mla_decode(q, cache, table, lens_t, kv_lora_rank=S.rank, scale=SCALE,
-                   max_seq_len=max(lens), num_splits=splits)  # fmt: skip
+    u = engine_kernel(q, cache, False)[1](q, cache, table, lens_t, kv_lora_rank=S.rank, scale=SCALE,
+                                         max_seq_len=max(lens), num_splits=splits)  # fmt: skip
     name = f"dense_h{heads}{'_fp8' if fp8 else ''}{f'_split{splits}' if splits else ''}"
     return {"case": name, "rel_err": rel_err(apply_w_uv(u, w_uv), ref)}
 
@@ -224,7 +227,7 @@ def check_sparse(fp8: bool) -> dict:
     ref = sparse_mla_attention(q, cache, table, idx, kv_lora_rank=S.rank, scale=SCALE,
                                query_start_loc=qsl)  # fmt: skip
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    u = sparse_mla(q, cache, table, lens_t, idx, reqs, kv_lora_rank=S.rank, scale=SCALE)
+    u = engine_kernel(q, cache, True)[1](q, cache, table, lens_t, idx, reqs, kv_lora_rank=S.rank, scale=SCALE)
     err = rel_err(u, ref) if (u[0] == 0).all() else float("inf")
     return {"case": f"sparse{'_fp8' if fp8 else ''}", "rel_err": err}
 
@@ -362,13 +365,16 @@ def time_latent(kind: str, batch: int, heads: int, ctx: int, fp8: bool, config=N
 
 
 def engine_kernel(q: torch.Tensor, cache: torch.Tensor, sparse: bool, config=None):
-    """("gluon" | "triton", the function) the MLA backends launch for these inputs; a sweep's
-    explicit ``config`` always times the Triton kernel."""
-    triton_fn = sparse_mla if sparse else mla_decode
+    """(the variant's name, its launch) the MLA backends run for these inputs: the kernel table's
+    pick (``attention/kernels.py``) for ``mla.sparse`` / ``mla.absorbed``; a sweep's explicit
+    ``config`` times the Triton kernel (dense: by TMA tiles where ``config`` is a ``TMA`` entry)."""
     if config is not None:
-        return "triton", triton_fn
-    fn = (pick_sparse_kernel if sparse else pick_decode_kernel)(q, cache, S.rank)
-    return ("triton" if fn is triton_fn else "gluon"), fn
+        if sparse:
+            return "triton", sparse_mla
+        return ("triton_tma", mla_decode_tma) if isinstance(config, TMA) else ("triton_gather", mla_decode)
+    op, backend = ("mla.sparse", "TRITON_MLA_SPARSE") if sparse else ("mla.absorbed", "TRITON_MLA")
+    variant = kernels.pick(op, latent_problem(q, cache, S.rank), backend).get()
+    return variant.name, variant.load()
 
 
 def time_dense_peer(batch: int, heads: int, ctx: int) -> dict:
@@ -431,8 +437,15 @@ def indexer_inputs(batch: int, ctx: int, fp8: bool, rows_per_req: int = 1) -> di
 
 
 def run_logits(d: dict, width: int, max_q: int, config=None) -> torch.Tensor:
-    return indexer_logits(d["q"], d["w"], *d["args"], width=width, max_query_len=max_q,
-                          dot_scale=d["dot_scale"], config=config)  # fmt: skip
+    """The index scores by the kernel TRITON_MLA_SPARSE launches (the kernel table's pick for
+    decode rows: the Gluon kernel over fp8 keys on Hopper), or Triton's with ``config``."""
+    fn, kw = indexer_logits, {"config": config}
+    if config is None and max_q == 1:
+        cache = d["args"][0]
+        problem = indexer_problem(torch.empty(0, S.idx_heads, S.idx_dim, device=DEV, dtype=torch.bfloat16), cache)
+        fn, kw = kernels.pick("indexer.decode", problem, "TRITON_MLA_SPARSE").get().load(), {}
+    return fn(d["q"], d["w"], *d["args"], width=width, max_query_len=max_q, dot_scale=d["dot_scale"],
+              **kw)  # fmt: skip
 
 
 def time_indexer(batch: int, ctx: int, fp8: bool, config=None) -> dict:
@@ -461,13 +474,21 @@ def time_indexer_prefill() -> dict:
 
 # ----------------------------------------------------------------------------- sweep
 
-# the last two of each: whole-page TMA tiles (dense rows in 64-row pages; sparse rows ignore it)
+class TMA(MLAConfig):
+    """A sweep entry timed by whole-page TMA tiles (dense rows in 64-row pages; sparse rows
+    ignore it)."""
+
+    __slots__ = ()
+
+
+# the last two of each: whole-page TMA tiles
 SWEEP_MANY_HEADS = [MLAConfig(*c) for c in ((16, 64, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2),
                     (64, 64, 8, 1), (64, 64, 8, 2), (64, 64, 4, 2), (64, 16, 8, 3))] + [
-                    MLAConfig(64, 64, 8, 2, tma=True), MLAConfig(64, 32, 8, 2, tma=True)]  # fmt: skip
+                    TMA(64, 64, 8, 2), TMA(64, 32, 8, 2)]  # fmt: skip
 SWEEP_FEW_HEADS = [MLAConfig(*c) for c in ((16, 64, 4, 2), (16, 128, 4, 2), (16, 32, 4, 3),
                    (16, 64, 8, 3), (16, 128, 8, 2), (16, 128, 4, 3), (16, 32, 4, 4), (16, 32, 4, 6),
-                   (16, 32, 8, 4))] + [MLAConfig(16, 64, 4, 2, tma=True)]  # fmt: skip
+                   (16, 32, 8, 4))] + [TMA(16, 64, 4, 2)]  # fmt: skip
+
 # the tiled kernel (the decode path before the streaming one), then the streaming kernel: the
 # pinned config, 128-key tiles, three key tiles in flight (7 stages), twice the programs, and
 # the exact fp16 dot over fp8 rows (what e4m3 straight into the tensor cores saves)

@@ -1,4 +1,4 @@
-"""H200 check and timing of the Gluon MLA decode kernel (``ops/gluon_mla``) against the Triton one.
+"""H200 check and timing of the Gluon MLA decode kernel (``ops/mla/decode_gluon``) against the Triton one.
 
 1. Checks, 128 heads, page 64, caches NaN-filled before the live rows are written (a read of an
    unused slot or of a row past a sequence shows as NaN): ``mla_decode_gluon`` against the
@@ -6,7 +6,7 @@
    (0, 1, 63, 64, 65, 1000, 4097), splits 1 / 4 / default; bound ``max|out - ref| / max|ref|
    <= 2e-2``, and the empty request's row must be exactly 0.
 2. Timing, 128 heads, page 64, bf16: (batch, context) = (64, 8K), (8, 32K), (32, 64K), (1, 16K),
-   ``mla_decode_gluon`` against ``mla_decode`` with ``MLAConfig(64, 64, 8, 2, tma=True)`` (the
+   ``mla_decode_gluon`` against ``mla_decode`` with ``MLAConfig(64, 64, 8, 2)`` (the
    current default), both with their default splits; ``--heads 16`` (or 32: the Gluon kernel
    pads its rows to 64) at (1, 64K), (8, 64K), (32, 64K), (128, 16K), (128, 64K) against
    ``mla_decode``'s default for those heads, with % of the copy bandwidth, by ``gpu_mla.timer`` (one CUDA graph over
@@ -52,11 +52,12 @@ from gpu_mla import (  # noqa: E402
 )
 
 from attnserve.attention.reference_mla import sparse_mla_attention  # noqa: E402
-from attnserve.ops.gluon_mla import mla_decode_gluon  # noqa: E402
-from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
+from attnserve.ops.mla.decode_gluon import mla_decode_gluon  # noqa: E402
+from attnserve.ops.mla.decode_triton import mla_decode  # noqa: E402
+from attnserve.ops.mla.latent import MLAConfig  # noqa: E402
 
 REL_TOL = 2e-2
-TRITON = MLAConfig(64, 64, 8, 2, tma=True)
+TRITON = MLAConfig(64, 64, 8, 2)
 FULL = dict(heads=128, check_lens=(0, 1, 63, 64, 65, 1000, 4097), check_splits=(1, 4, None),
             shapes=((64, 8192), (8, 32768), (32, 65536), (1, 16384)))  # fmt: skip
 # fewer than 64 heads (DeepSeek-V2-Lite, V3 over 8 GPUs): the kernel pads its rows to 64; the

@@ -1,7 +1,7 @@
 """H200 check and timing of the Gluon sparse MLA kernels (bf16 and fp8 rows) against Triton's.
 
-``--rows bf16,fp8`` (the default: both) picks the latent rows: bf16 (``ops/gluon_mla_sparse``)
-and / or fp8 656-byte rows (``ops/gluon_mla_sparse_fp8``, ``kvcache/fp8.py``); each kind runs
+``--rows bf16,fp8`` (the default: both) picks the latent rows: bf16 (``ops/mla/sparse_gluon``)
+and / or fp8 656-byte rows (``ops/mla/sparse_gluon_fp8``, ``kvcache/fp8.py``); each kind runs
 the two parts below on its own caches, against Triton's ``sparse_mla`` on the same cache.
 
 1. Checks, 128 heads, caches NaN-filled before the live rows are written (a read of an unused
@@ -63,9 +63,9 @@ from gpu_mla_gluon import fmt, gluon_enabled, print_timing  # noqa: E402
 
 from attnserve.attention.reference_mla import sparse_mla_attention  # noqa: E402
 from attnserve.kvcache.fp8 import mla_fp8_row_bytes  # noqa: E402
-from attnserve.ops.gluon_mla_sparse import sparse_mla_gluon  # noqa: E402
-from attnserve.ops.gluon_mla_sparse_fp8 import sparse_mla_gluon_fp8  # noqa: E402
-from attnserve.ops.triton_mla_sparse import sparse_mla  # noqa: E402
+from attnserve.ops.mla.sparse_gluon import sparse_mla_gluon  # noqa: E402
+from attnserve.ops.mla.sparse_gluon_fp8 import sparse_mla_gluon_fp8  # noqa: E402
+from attnserve.ops.mla.sparse_triton import sparse_mla  # noqa: E402
 
 REL_TOL = 2e-2
 PAST = 64  # picks are drawn below length + PAST: some fall past the sequence

@@ -1,4 +1,4 @@
-"""H200 benchmark of the grouped MoE kernels (``ops/triton_moe.py``).
+"""H200 benchmark of the grouped MoE kernels (``ops/moe/experts_triton.py``).
 
 1. Checks, bf16, against ``FusedExperts._forward_torch`` (the PyTorch expert loop) on the same
    weights: ``max|out - ref| / max|ref|`` at most 2e-2, for SwiGLU and GPT-OSS's clamped form.
@@ -18,7 +18,7 @@
    the run measures first (``ceilings.measure_ceilings``: cuBLAS ``torch.mm``, 8192^3 bf16, with
    the copy bandwidth) and every prefill row is also given against (``pct_ceiling``).
 4. ``--sweep``: the prefill sizes again, each candidate of ``SWEEP`` forced (``config=``),
-   checked and timed; prints the best per size, to retune ``ops/triton_moe.CONFIGS``.
+   checked and timed; prints the best per size, to retune ``ops/moe/experts_triton.CONFIGS``.
 
     python benchmarks/gpu_moe.py [--smoke] [--sweep] [--only qwen3_30b_a3b mixtral ...]
         [--tokens 2048 8192 ...] [--no-decode]
@@ -47,7 +47,7 @@ from ceilings import NOMINAL_BW, NOMINAL_FLOPS, describe, measure_ceilings  # no
 
 from attnserve.layers.fused import override_impl  # noqa: E402
 from attnserve.layers.moe import FusedExperts  # noqa: E402
-from attnserve.ops.triton_moe import MoEConfig, fused_experts, moe_config  # noqa: E402
+from attnserve.ops.moe.experts_triton import MoEConfig, fused_experts, moe_config  # noqa: E402
 
 SHAPES = {"mixtral": (8, 4096, 14336, 2), "deepseek_v3": (256, 7168, 2048, 8)}
 TOKENS = [1, 16, 64, 256]

@@ -76,7 +76,7 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 def force_min_splits(n: int) -> None:
     """Decode launches split the KV of each (request, KV head) at least ``n`` ways (a power of
     two, at least one 64-key tile a split): the splits a CUDA graph bakes in at capture follow."""
-    from attnserve.ops import triton_paged_attention as tpa
+    from attnserve.ops.attention import paged_triton as tpa
 
     base = getattr(tpa, "_nano_base_pick", tpa.pick_num_splits)
     tpa._nano_base_pick = base

@@ -1,4 +1,4 @@
-"""H200 check and timing of the Gluon causal prefill kernel (``ops/gluon_attention``), issue #22.
+"""H200 check and timing of the Gluon causal prefill kernel (``ops/attention/prefill_gluon``), issue #22.
 
 1. Checks, 32 query / 8 KV heads, head 128, bf16, pages 16 and 64, caches NaN-filled before the
    live rows are written (a read of an unused slot or past a sequence shows as NaN): every variant
@@ -51,8 +51,8 @@ from ceilings import measure_ceilings  # noqa: E402
 from gpu_attention import bench_peers, num_sets, paged_batch, peer_fns, rel_err  # noqa: E402
 
 from attnserve.attention.reference import paged_attention  # noqa: E402
-from attnserve.ops.gluon_attention import CONFIGS, prefill_attention_gluon  # noqa: E402
-from attnserve.ops.triton_paged_attention import unified_attention  # noqa: E402
+from attnserve.ops.attention.paged_triton import unified_attention  # noqa: E402
+from attnserve.ops.attention.prefill_gluon import CONFIGS, prefill_attention_gluon  # noqa: E402
 
 REL_TOL, PAD = 2e-2, 7
 PEERS = ("sdpa_cudnn_mha", "sdpa_flash_mha", "sdpa")  # no Flex: its compiles cost minutes

@@ -51,9 +51,9 @@ from graph_timing import graph_replay_us  # noqa: E402
 
 from attnserve.attention.reference import paged_attention, write_kv  # noqa: E402
 from attnserve.layers.fused import rms_norm_ref, rotary_ref  # noqa: E402
-from attnserve.ops.triton_fused import rms_norm, rotary  # noqa: E402
-from attnserve.ops.triton_kv_write import rope_write_kv_cache, write_kv_cache  # noqa: E402
-from attnserve.ops.triton_paged_attention import pick_num_splits, unified_attention  # noqa: E402
+from attnserve.ops.attention.kv_write_triton import rope_write_kv_cache, write_kv_cache  # noqa: E402
+from attnserve.ops.attention.paged_triton import pick_num_splits, unified_attention  # noqa: E402
+from attnserve.ops.dense.fused_triton import rms_norm, rotary  # noqa: E402
 
 PAGE = 16
 REL_TOL = 2e-2

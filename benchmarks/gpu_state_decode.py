@@ -1,4 +1,4 @@
-"""H200 benchmark of the fused Mamba-1 and lightning decode steps (``ops/triton_state_decode.py``).
+"""H200 benchmark of the fused Mamba-1 and lightning decode steps (``ops/state/decode_triton.py``).
 
 1. Checks each kernel against its PyTorch twin (``selective_scan_decode``,
    ``lightning_attention_decode``) on the same inputs and state rows (random order in a larger
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from ceilings import NOMINAL_BW  # noqa: E402
 
 from attnserve.attention.state import lightning_attention_decode, selective_scan_decode  # noqa: E402
-from attnserve.ops.triton_state_decode import (  # noqa: E402
+from attnserve.ops.state.decode_triton import (  # noqa: E402
     fused_lightning_decode,
     fused_selective_scan_decode,
 )

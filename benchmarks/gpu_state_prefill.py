@@ -1,4 +1,4 @@
-"""H200 benchmark of the state prefill kernels (``ops/triton_state_prefill.py``) against their PyTorch twins.
+"""H200 benchmark of the state prefill kernels (``ops/state/prefill_triton.py``) against their PyTorch twins.
 
 Cases, each at 64 x 1024, 8 x 4096 and 1 x 32768 new tokens (sequences continuing from a state,
 rows in random order in a larger pool), bf16 and float32 inputs (float32 states; conv states in
@@ -50,7 +50,7 @@ from attnserve.attention.state import (  # noqa: E402
     lightning_attention_prefill,
     selective_scan_prefill,
 )
-from attnserve.ops.triton_state_prefill import (  # noqa: E402
+from attnserve.ops.state.prefill_triton import (  # noqa: E402
     fused_causal_conv1d_prefill,
     fused_lightning_prefill,
     fused_selective_scan_prefill,

@@ -14,7 +14,7 @@ H200, ``ceilings.NOMINAL_BW``):
   bf16, 656 B in fp8) a token; DSA the indexer key of every token (128 * 2 B in bf16, 132 in
   fp8; none in a GLM-5 "shared" layer, which reuses the previous layer's top-k) plus
   min(context, index_topk) latent rows. At context <= index_topk the engine selects every key
-  without scoring (``ops/triton_indexer.py``), so no indexer key counts there;
+  without scoring (``ops/indexer/logits_triton.py``), so no indexer key counts there;
 - state, per state layer and sequence, read once and written once (so twice its bytes), with
   the sizes read from the engine's slot tensors (``state_rows``: the recurrent state in
   ``mamba_ssm_cache_dtype``, float32 by default; the conv state in the KV cache dtype, the

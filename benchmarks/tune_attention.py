@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import gpu_attention as ga  # noqa: E402
 from ceilings import NOMINAL_BW  # noqa: E402
 
-import attnserve.ops.triton_paged_attention as tpa  # noqa: E402
+import attnserve.ops.attention.paged_triton as tpa  # noqa: E402
 
 DECODE_SHAPES = [(1, 16384), (1, 65536), (16, 4096), (16, 16384), (4, 32768), (64, 1024)]
 PREFILL_SHAPES = [8192, 16384]

@@ -1,8 +1,10 @@
 """Test-session setup shared by every test directory.
 
 Triton reads ``TRITON_INTERPRET`` when it is first imported, and any test may import it first
-(transformers does), so on a machine without a GPU the interpreter is switched on here,
-before any test module loads.
+(transformers does), so the interpreter is switched on here, before any test module loads, and
+nowhere else: the kernel tests run Triton kernels on CPU tensors. On a GPU machine
+``TRITON_INTERPRET=0 python -m pytest tests/kernels/...`` runs the compiled kernels instead
+(the tests that need a GPU skip without one).
 
 flash-linear-attention (``fla``) is installed for the NSA oracle, which runs it in a process
 of its own (``tests/models/fla_nsa_oracle.py``). The test process must not import it:
@@ -26,10 +28,8 @@ import os
 import sys
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the only place a test sets it
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # hub model ids resolve from the cache only: nothing downloads
 sys.modules.setdefault("fla", None)
 

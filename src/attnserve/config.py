@@ -73,6 +73,9 @@ class CacheConfig:
     kv_cache_memory: float | None = None  # GiB for the KV cache (CPU default: a share of free memory)
     num_gpu_blocks_override: int | None = None
     attention_backend: str | None = None
+    # kernel variants turned off (attention/kernels.py): a variant's name (gluon), operation and
+    # name (mla.absorbed/gluon) or technology (gluon, triton, cpu_ext, torch); the plan checks them
+    disabled_kernels: tuple[str, ...] = ()
     streaming_sinks: int | None = None  # StreamingLLM: keep the first N tokens ...
     streaming_window: int | None = None  # ... and the last W
 
@@ -91,6 +94,13 @@ class CacheConfig:
             raise ValueError(f"num_state_snapshots must be an integer in [0, 2**20], got {self.num_state_snapshots!r}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (block 0 is the null block)")
+        if isinstance(self.disabled_kernels, str):  # one name, or a comma-separated list
+            object.__setattr__(self, "disabled_kernels",
+                               tuple(n.strip() for n in self.disabled_kernels.split(",") if n.strip()))
+        if not isinstance(self.disabled_kernels, (tuple, list)) or not all(
+                isinstance(n, str) and n for n in self.disabled_kernels):
+            raise ValueError(f"disabled_kernels must be a list of kernel variant names, got {self.disabled_kernels!r}")
+        object.__setattr__(self, "disabled_kernels", tuple(self.disabled_kernels))
         if (self.streaming_sinks is None) != (self.streaming_window is None):
             raise ValueError("streaming_sinks and streaming_window go together")
         if self.streaming_window is not None and (self.streaming_window <= 0 or self.streaming_sinks < 0):

@@ -1,7 +1,8 @@
 """The only reader (and writer) of ``os.environ`` in attnserve: a short, typed list of debug switches.
 
-Engine knobs live in ``EngineConfig``; these variables exist for debugging and for the
-few fallbacks that a user must be able to force without touching code.
+Engine knobs live in ``EngineConfig`` (a kernel variant is turned off by the engine option
+``disabled_kernels``, not here); these variables exist for debugging, logging and the server's
+secrets. At most ten ``ATTNSERVE_*`` names (``tests/unit/test_env.py`` counts them).
 """
 
 from __future__ import annotations
@@ -9,20 +10,30 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "mla_disabled",
-    "small_m_gemv",
-    "decodes_by_length",
-    "triton_interpret",
+    "ATTNSERVE_VARIABLES",
+    "api_key",
+    "cpu_threads",
+    "disable_nccl_multicast",
+    "engine_profile",
+    "force_platform",
+    "hf_hub_cache",
+    "hf_hub_offline",
     "log_level",
     "log_stats_interval",
-    "force_platform",
-    "cpu_threads",
-    "cpu_decode_kernel",
-    "gluon",
-    "disable_nccl_multicast",
-    "hf_hub_offline",
-    "hf_hub_cache",
+    "mla_disabled",
+    "triton_interpret",
 ]
+
+# every ATTNSERVE_* variable read here, with what it does (the README's list)
+ATTNSERVE_VARIABLES = {
+    "ATTNSERVE_MLA_DISABLE": "run MLA models with an expanded K/V cache",
+    "ATTNSERVE_ENGINE_PROFILE": "a file for the engine process's cProfile stats",
+    "ATTNSERVE_API_KEY": "the server's API key when --api-key is not given",
+    "ATTNSERVE_LOG_LEVEL": "the command line's log level",
+    "ATTNSERVE_LOG_STATS_INTERVAL": "seconds between the server's throughput lines",
+    "ATTNSERVE_PLATFORM": "override platform detection",
+    "ATTNSERVE_CPU_THREADS": "torch's intra-op threads on CPU",
+}
 
 
 def _flag(name: str) -> bool:
@@ -32,27 +43,6 @@ def _flag(name: str) -> bool:
 def mla_disabled() -> bool:
     """``ATTNSERVE_MLA_DISABLE=1``: run MLA models with an expanded K/V cache."""
     return _flag("ATTNSERVE_MLA_DISABLE")
-
-
-def gluon() -> bool:
-    """``ATTNSERVE_GLUON=0``: on Hopper, the launches the Gluon kernels would take (dense MLA
-    decode at 64+ heads, ``ops/gluon_mla.py``; sparse MLA rows, ``ops/gluon_mla_sparse.py``;
-    causal prefill, ``ops/gluon_attention.py``; fp8 indexer decode logits,
-    ``ops/gluon_indexer.py``) keep the Triton kernels instead, for A/B runs."""
-    return os.environ.get("ATTNSERVE_GLUON", "").strip().lower() not in ("0", "false", "no", "off")
-
-
-def small_m_gemv() -> bool:
-    """``ATTNSERVE_SMALL_M_GEMV=0``: decode-sized linears (M <= 16 rows) run their separate
-    norm/activation kernel and cuBLAS instead of the fused small-M kernels (``layers/gemv.py``);
-    read when a model is built, so an A/B comparison builds one engine per setting."""
-    return os.environ.get("ATTNSERVE_SMALL_M_GEMV", "").strip().lower() not in ("0", "false", "no", "off")
-
-
-def decodes_by_length() -> bool:
-    """``ATTNSERVE_DECODES_BY_LENGTH=0``: a step's decodes keep the scheduler's order instead of
-    shortest context first (``ModelRunner.launch_forward``; an A/B switch for benchmarks)."""
-    return os.environ.get("ATTNSERVE_DECODES_BY_LENGTH", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def engine_profile() -> str | None:
@@ -102,12 +92,6 @@ def cpu_threads() -> int | None:
     """``ATTNSERVE_CPU_THREADS``: torch intra-op threads on CPU (default: torch's choice)."""
     value = os.environ.get("ATTNSERVE_CPU_THREADS", "").strip()
     return int(value) if value else None
-
-
-def cpu_decode_kernel() -> bool:
-    """``ATTNSERVE_CPU_DECODE_KERNEL=0``: CPU decodes take TORCH_SDPA's bucketed SDPA path
-    instead of the C++ paged decode kernel (``ops/cpu_paged_decode.py``); read every step."""
-    return os.environ.get("ATTNSERVE_CPU_DECODE_KERNEL", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def hf_hub_offline() -> bool:

@@ -1,4 +1,4 @@
-"""The CPU paged decode kernel (``ops/cpu_paged_decode.py``) against its twins: TORCH_SDPA's
+"""The CPU paged decode kernel (``ops/cpu/paged_decode.py``) against its twins: TORCH_SDPA's
 bucketed SDPA decode and the reference attention, on random paged caches as the backend sees
 them (non-contiguous block tables, block 0 null, partial last blocks, padded rows with slot -1);
 and an engine's greedy output with the kernel on and off."""
@@ -14,7 +14,7 @@ import torch
 from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.attention.reference import paged_attention, write_kv
-from attnserve.ops import cpu_paged_decode
+from attnserve.ops.cpu import paged_decode as cpu_paged_decode
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,10 +23,10 @@ def kernel():
     build must succeed."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the CPU decode kernel cannot be built")
-    why = cpu_paged_decode._cpu_ok()
+    why = cpu_paged_decode.cpu_support()
     if why is not None:
         pytest.skip(f"the CPU decode kernel needs x86-64 with AVX2: {why}")
-    assert cpu_paged_decode.available(), "the CPU decode kernel failed to build (see the log)"
+    assert cpu_paged_decode.prepare() is None, "the CPU decode kernel failed to build (see the log)"
 
 
 def decode_batch(lens, num_kv, head, block, dtype, gen, pad_rows=0):
@@ -61,12 +61,12 @@ def plain_layer(head):
 
 
 def run_backend(block, layer, q, k, v, kc, vc, common, monkeypatch, kernel_on: bool):
-    monkeypatch.setenv("ATTNSERVE_CPU_DECODE_KERNEL", "1" if kernel_on else "0")
-    backend = TorchSDPABackend(block)
+    # the backend built as the plan hands it its attention.decode variant, or picking it itself
+    backend = TorchSDPABackend(block, None if kernel_on else {"attention.decode": "torch"})
     meta = backend.build_metadata(common, 0)
-    assert meta.decode_kernel == kernel_on
     kc, vc = kc.clone(), vc.clone()
     out = backend.forward(layer, q, k, v, (kc, vc), meta)
+    assert backend.kernels["attention.decode"] == ("cpu_ext" if kernel_on else "torch")
     assert (meta.decode_buckets is None) == kernel_on  # the kernel needs no buckets
     return out, kc, vc
 
@@ -145,8 +145,6 @@ def test_unsupported_layers_take_the_bucketed_path(monkeypatch):
     common, kc, vc = decode_batch([3, 20, 40], 2, 16, 4, torch.float32, gen)
     q, k, v = (torch.randn(3, h, 16, generator=gen) for h in (4, 2, 2))
     layer = SimpleNamespace(**{**vars(plain_layer(16)), "window": 7})
-    assert not cpu_paged_decode.supports(layer, q, kc, vc)
-    monkeypatch.setenv("ATTNSERVE_CPU_DECODE_KERNEL", "1")
     ref_k, ref_v = kc.clone(), vc.clone()
     write_kv(ref_k, ref_v, k, v, common.slot_mappings[0])
     ref = paged_attention(q, ref_k, ref_v, common.block_tables[0], common.query_start_loc, common.seq_lens,
@@ -154,7 +152,7 @@ def test_unsupported_layers_take_the_bucketed_path(monkeypatch):
     backend = TorchSDPABackend(4)
     meta = backend.build_metadata(common, 0)
     out = backend.forward(layer, q, k, v, (kc, vc), meta)
-    assert meta.decode_kernel and meta.decode_buckets is not None
+    assert backend.kernels["attention.decode"] == "torch" and meta.decode_buckets is not None
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -170,10 +168,10 @@ def test_engine_greedy_output_equals_with_the_kernel_off(tmp_path, monkeypatch):
     kernel_call = cpu_paged_decode.paged_decode
     monkeypatch.setattr(cpu_paged_decode, "paged_decode", lambda *a: calls.append(1) or kernel_call(*a))
     outs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("ATTNSERVE_CPU_DECODE_KERNEL", flag)
-        llm = LLM(str(tmp_path), dtype="float32", block_size=4, attention_backend="TORCH_SDPA")
-        outs[flag] = [o.outputs[0].token_ids for o in run_engine(llm, prompts, params)]
-        assert bool(calls) == (flag == "1")
+    for disabled in ((), ("cpu_ext",)):  # the engine option that turns the kernel off
+        llm = LLM(str(tmp_path), dtype="float32", block_size=4, attention_backend="TORCH_SDPA",
+                  disabled_kernels=disabled)
+        outs[disabled] = [o.outputs[0].token_ids for o in run_engine(llm, prompts, params)]
+        assert bool(calls) == (not disabled)
         calls.clear()
-    assert outs["1"] == outs["0"]
+    assert outs[()] == outs[("cpu_ext",)]

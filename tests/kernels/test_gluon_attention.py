@@ -1,4 +1,4 @@
-"""The Gluon causal prefill kernel (``ops/gluon_attention``): its input checks, its sm_90 compile,
+"""The Gluon causal prefill kernel (``ops/attention/prefill_gluon``): its input checks, its sm_90 compile,
 and on a Hopper GPU its output against the PyTorch twin.
 
 Gluon has no interpreter, so on CPU the kernel is only compiled (``sm90.py``: TTGIR, PTX, the
@@ -21,13 +21,13 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
+from attnserve.attention.backend import tensor_problem  # noqa: E402
+from attnserve.attention.kernels import get_variant, reasons  # noqa: E402
 from attnserve.attention.reference import paged_attention, write_kv  # noqa: E402
-from attnserve.ops.gluon_attention import (  # noqa: E402
+from attnserve.ops.attention.prefill_gluon import (  # noqa: E402
     CONFIGS,
     PrefillConfig,
     check_prefill_inputs,
-    gluon_prefill_takes,
-    in_prefill_class,
     prefill_attention_gluon,
 )
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
@@ -87,33 +87,41 @@ def test_inputs_outside_the_class_are_refused(change, match):
         check_prefill_inputs(**_inputs(**change))
 
 
-_CLASS_KEYS = ("window", "alibi", "sinks", "softcap", "k_scale", "v_scale", "max_query_len")
+_FEATURES = {"window": "sliding_window", "alibi": "alibi", "sinks": "sinks", "softcap": "softcap"}
+
+
+def _problem(d):
+    """The kernel problem the plan (or TRITON_ATTN) builds for a layer with these tensors."""
+    q, kc, vc = d["q"], d["key_cache"], d["value_cache"]
+    return tensor_problem(q, kc, num_heads=q.shape[1], num_kv_heads=kc.shape[2], head_size=kc.shape[3],
+                          head_size_v=vc.shape[3], features=frozenset(f for k, f in _FEATURES.items() if k in d))
 
 
 @pytest.mark.parametrize(
     "change",
     [
-        dict(window=8), dict(alibi=torch.zeros(8)), dict(sinks=torch.zeros(8)),
-        dict(softcap=30.0), dict(k_scale=0.5), dict(max_query_len=1),
-        dict(q=torch.zeros(6, 8, 64, dtype=BF16)), dict(q=torch.zeros(6, 8, 128)),
-        dict(key_cache=_CACHE_64),
-        dict(value_cache=torch.zeros(4, 16, 2, 128, dtype=torch.float16)),
-        dict(key_cache=torch.zeros(4, 2, 16, 128, dtype=BF16).transpose(1, 2)),
+        dict(window=8), dict(alibi=torch.zeros(8)), dict(sinks=torch.zeros(8)), dict(softcap=30.0),
+        dict(q=torch.zeros(6, 8, 64, dtype=BF16), key_cache=torch.zeros(4, 16, 2, 64, dtype=BF16),
+             value_cache=torch.zeros(4, 16, 2, 64, dtype=BF16)),
+        dict(q=torch.zeros(6, 8, 128)), dict(key_cache=_CACHE_64),
         dict(key_cache=torch.zeros(4, 12, 2, 128, dtype=BF16),
              value_cache=torch.zeros(4, 12, 2, 128, dtype=BF16)),
         dict(q=torch.zeros(6, 32, 128, dtype=BF16)),
     ],
 )  # fmt: skip
-def test_class_predicate_agrees_with_the_checks(change):
-    """What the backend asks (``in_prefill_class``) refuses what ``check_prefill_inputs`` does,
-    and takes the inputs it accepts short of the device."""
+def test_kernel_table_class_agrees_with_the_checks(change):
+    """The kernel table's ``takes`` for ``attention.prefill/gluon`` (what the plan asks) refuses
+    what ``check_prefill_inputs`` refuses, and takes what it accepts short of the device."""
+    variant = get_variant("attention.prefill", "gluon")
     d = _inputs(**change)
-    step = {k: d[k] for k in _CLASS_KEYS if k in d}
-    assert not in_prefill_class(d["q"], d["key_cache"], d["value_cache"], **step)
+    features = {k: d[k] for k in _FEATURES if k in d}
+    with pytest.raises(ValueError):
+        check_prefill_inputs(**{k: v for k, v in d.items() if k not in features}, **features)
+    assert variant.takes(_problem(d))
     ok = _inputs()
-    assert in_prefill_class(ok["q"], ok["key_cache"], ok["value_cache"], max_query_len=4)
-    # CPU tensors never go to the Gluon kernel
-    assert not gluon_prefill_takes(ok["q"], ok["key_cache"], ok["value_cache"], max_query_len=4)
+    assert variant.takes(_problem(ok)) == []
+    # on CPU the pick passes the Gluon kernel over: it runs on Hopper only
+    assert any("runs on cuda" in r for r in reasons(variant, _problem(ok)))
 
 
 def test_entry_point_checks_before_launching():
@@ -133,7 +141,7 @@ def test_configs_outside_the_kernel_are_refused(config):
 # entry point calls after its checks.
 _LAUNCHES = r"""
 try:
-    import attnserve.ops.gluon_attention as ga
+    import attnserve.ops.attention.prefill_gluon as ga
 except ImportError as exc:
     print(exc); sys.exit(77)
 

@@ -1,4 +1,4 @@
-"""The Gluon indexer decode kernel (``ops/gluon_indexer``): its input checks and class, the
+"""The Gluon indexer decode kernel (``ops/indexer/logits_gluon``): its input checks and class, the
 stage copy plan, its sm_90 compile, and on a Hopper GPU its logits against the float32 twin and
 the Triton streaming kernel.
 
@@ -21,13 +21,13 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
-from attnserve.ops.gluon_indexer import (  # noqa: E402
-    _row_pieces,
+from attnserve.attention.backend import tensor_problem  # noqa: E402
+from attnserve.attention.kernels import get_variant, reasons  # noqa: E402
+from attnserve.ops.indexer.logits_gluon import (  # noqa: E402
     check_indexer_gluon_inputs,
-    in_indexer_gluon_class,
-    indexer_gluon_takes,
     indexer_logits_gluon,
     pick_variant,
+    row_pieces,
 )
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
@@ -93,18 +93,19 @@ def test_entry_point_checks_before_launching():
     "change,takes",
     [
         ({}, True),
-        (dict(max_query_len=2), False),  # prefill: Triton's tiled kernel
-        (dict(q=torch.zeros(3, 64, 128, dtype=torch.bfloat16)), False),
         (dict(index_cache=torch.zeros(5, 64, 128, dtype=torch.bfloat16)), False),  # bf16 keys
         (dict(index_cache=torch.zeros(5, 16, 132, dtype=torch.uint8)), False),  # page 16
         (dict(q=torch.zeros(3, 16, 128, dtype=E4M3), head_weights=torch.zeros(3, 16)), False),
     ],
 )
-def test_the_class_indexer_logits_may_send_here(change, takes):
+def test_the_class_the_kernel_table_sends_here(change, takes):
+    """``indexer.decode/gluon``'s ``takes`` (what the plan asks of the layer) for these inputs."""
     d = _inputs(**change)
-    args = (d["q"], d["head_weights"], d["index_cache"], d["max_query_len"])
-    assert in_indexer_gluon_class(*args) is takes
-    assert indexer_gluon_takes(*args) is False  # on CPU nothing goes to the Gluon kernel
+    q, cache = d["q"], d["index_cache"]
+    problem = tensor_problem(q, cache, num_heads=q.shape[1], num_kv_heads=1, head_size=q.shape[2])
+    variant = get_variant("indexer.decode", "gluon")
+    assert (variant.takes(problem) == []) is takes, variant.takes(problem)
+    assert any("runs on cuda" in r for r in reasons(variant, problem))
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,7 @@ def test_large_launches_take_the_register_operand_variant(requests, width, varia
 def test_stage_copies_cover_the_page_in_aligned_slices(stage):
     """A stage's 33 rows of 256 bytes as slices the flat view takes: exactly the rows, in
     order, each starting at a multiple of its power-of-two length."""
-    pieces = _row_pieces(33 * stage, 33)
+    pieces = row_pieces(33 * stage, 33)
     rows = [r for start, n in pieces for r in range(start, start + n)]
     assert rows == list(range(33 * stage, 33 * stage + 33))
     assert all(n & (n - 1) == 0 and start % n == 0 for start, n in pieces)
@@ -132,7 +133,7 @@ def test_stage_copies_cover_the_page_in_aligned_slices(stage):
 # tensors through the launcher the entry point calls after its checks.
 _SETUP = r"""
 try:
-    import attnserve.ops.gluon_indexer as gi
+    import attnserve.ops.indexer.logits_gluon as gi
 except ImportError as exc:
     print(exc); sys.exit(77)
 

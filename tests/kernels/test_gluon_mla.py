@@ -1,4 +1,4 @@
-"""The Gluon MLA decode kernel (``ops/gluon_mla``): its input checks, its sm_90 compile, and on a
+"""The Gluon MLA decode kernel (``ops/mla/decode_gluon``): its input checks, its sm_90 compile, and on a
 Hopper GPU its output against the PyTorch twin.
 
 Gluon has no interpreter, so on CPU the kernel is only compiled (``sm90.py``: TTGIR, PTX, the
@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
+from attnserve.attention.backend import tensor_problem  # noqa: E402
+from attnserve.attention.kernels import get_variant, reasons  # noqa: E402
 from attnserve.attention.reference_mla import sparse_mla_attention, write_latent  # noqa: E402
-from attnserve.ops.gluon_mla import (  # noqa: E402
+from attnserve.ops.mla.decode_gluon import (  # noqa: E402
     check_gluon_inputs,
-    gluon_takes,
-    in_gluon_class,
     mla_decode_gluon,
 )
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
@@ -77,35 +77,28 @@ def test_entry_point_checks_before_launching():
         (dict(q=torch.zeros(2, 128, 576, dtype=torch.float16)), False),
         (dict(latent_cache=torch.zeros(4, 16, 576, dtype=torch.bfloat16)), False),  # page 16
         (dict(latent_cache=torch.zeros(4, 64, 656, dtype=torch.uint8)), False),  # fp8 rows
-        (dict(q=torch.zeros(2, 576, 128, dtype=torch.bfloat16).transpose(1, 2)), False),
     ],
 )
-def test_the_class_the_backend_sends_here(change, takes):
+def test_the_class_the_kernel_table_sends_here(change, takes):
+    """``mla.absorbed/gluon``'s ``takes`` (what the plan asks of the layer) for these inputs."""
     d = _inputs(**change)
-    assert in_gluon_class(d["q"], d["latent_cache"], d["kv_lora_rank"]) is takes
-    # on CPU (or with ATTNSERVE_GLUON=0 on a GPU) nothing goes to the Gluon kernel
-    assert gluon_takes(d["q"], d["latent_cache"], d["kv_lora_rank"]) is False
-
-
-def test_env_switch_turns_the_gluon_path_off(monkeypatch):
-    from attnserve import env
-
-    assert env.gluon()
-    for off in ("0", "false", "off"):
-        monkeypatch.setenv("ATTNSERVE_GLUON", off)
-        assert not env.gluon()
-    monkeypatch.setenv("ATTNSERVE_GLUON", "1")
-    assert env.gluon()
+    q, cache, rank = d["q"], d["latent_cache"], d["kv_lora_rank"]
+    problem = tensor_problem(q, cache, num_heads=q.shape[1], num_kv_heads=1, head_size=q.shape[2],
+                             head_size_v=rank, kv_lora_rank=rank, max_rows=q.shape[0])
+    variant = get_variant("mla.absorbed", "gluon")
+    assert (variant.takes(problem) == []) is takes, variant.takes(problem)
+    # on CPU the pick passes the Gluon kernel over: it runs on Hopper only
+    assert any("runs on cuda" in r for r in reasons(variant, problem))
 
 
 # The kernel's launches (unsplit: bf16 rows out; split: fp32 partials + the merge), recorded on
 # CPU tensors through the launcher the entry point calls after its checks.
 _LAUNCHES = r"""
 try:
-    import attnserve.ops.gluon_mla as gm
+    import attnserve.ops.mla.decode_gluon as gm
 except ImportError as exc:
     print(exc); sys.exit(77)
-import attnserve.ops.triton_mla as tm
+import attnserve.ops.mla.latent as tm
 
 record(gm, "_mla_decode_gluon_kernel")
 record(tm, "_merge_kernel")

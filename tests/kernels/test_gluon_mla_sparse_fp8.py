@@ -1,4 +1,4 @@
-"""The Gluon sparse MLA kernel over fp8 latent rows (``ops/gluon_mla_sparse_fp8``): its input
+"""The Gluon sparse MLA kernel over fp8 latent rows (``ops/mla/sparse_gluon_fp8``): its input
 checks and class, its sm_90 compile, and on a Hopper GPU its output against the PyTorch twin.
 
 Gluon has no interpreter, so on CPU the kernel is only compiled (``sm90.py``) and its compiled
@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
+from attnserve.attention.backend import tensor_problem  # noqa: E402
+from attnserve.attention.kernels import get_variant, reasons  # noqa: E402
 from attnserve.attention.reference_mla import sparse_mla_attention  # noqa: E402
-from attnserve.ops.gluon_mla_sparse_fp8 import (  # noqa: E402
+from attnserve.ops.mla.sparse_gluon_fp8 import (  # noqa: E402
     check_sparse_gluon_fp8_inputs,
-    in_sparse_gluon_fp8_class,
-    sparse_gluon_fp8_takes,
     sparse_mla_gluon_fp8,
 )
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
@@ -92,25 +92,29 @@ def test_entry_point_checks_before_launching():
         (dict(q=torch.zeros(3, 16, 576, dtype=BF16)), False),  # 16 heads: Triton
         (dict(q=torch.zeros(3, 128, 576, dtype=torch.float16)), False),
         (dict(latent_cache=torch.zeros(4, 64, 576, dtype=BF16)), False),  # bf16 rows
-        (dict(q=torch.zeros(3, 576, 128, dtype=BF16).transpose(1, 2)), False),
         (dict(q=torch.zeros(65536, 64, 576, dtype=BF16)), False),  # past the grid's y limit
     ],
 )
-def test_the_class_the_backend_may_send_here(change, takes):
+def test_the_class_the_kernel_table_sends_here(change, takes):
+    """``mla.sparse/gluon_fp8``'s ``takes`` (what the plan asks of the layer) for these inputs."""
     d = _inputs(**change)
-    assert in_sparse_gluon_fp8_class(d["q"], d["latent_cache"], d["kv_lora_rank"]) is takes
-    # on CPU (or with ATTNSERVE_GLUON=0 on a GPU) nothing goes to the Gluon kernel
-    assert sparse_gluon_fp8_takes(d["q"], d["latent_cache"], d["kv_lora_rank"]) is False
+    q, cache, rank = d["q"], d["latent_cache"], d["kv_lora_rank"]
+    problem = tensor_problem(q, cache, num_heads=q.shape[1], num_kv_heads=1, head_size=q.shape[2],
+                             head_size_v=rank, kv_lora_rank=rank, max_rows=q.shape[0])
+    variant = get_variant("mla.sparse", "gluon_fp8")
+    assert (variant.takes(problem) == []) is takes, variant.takes(problem)
+    # on CPU the pick passes the Gluon kernel over: it runs on Hopper only
+    assert any("runs on cuda" in r for r in reasons(variant, problem))
 
 
 # The kernel's launches (unsplit: bf16 rows out; split: fp32 partials + the merge; a page of 16
 # rows), recorded on CPU tensors through the launcher the entry point calls after its checks.
 _LAUNCHES = r"""
 try:
-    import attnserve.ops.gluon_mla_sparse_fp8 as gs
+    import attnserve.ops.mla.sparse_gluon_fp8 as gs
 except ImportError as exc:
     print(exc); sys.exit(77)
-import attnserve.ops.triton_mla as tm
+import attnserve.ops.mla.latent as tm
 
 record(gs, "_sparse_mla_gluon_fp8_kernel")
 record(tm, "_merge_kernel")

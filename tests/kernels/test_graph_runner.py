@@ -19,10 +19,6 @@ runs.
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -13,10 +13,6 @@ through the engine with TRITON_MLA_SPARSE, flag on and off: the same tokens and 
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -13,10 +13,6 @@ tiny Qwen3) whose tokens do not change with the fusion.
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -24,15 +20,16 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from attnserve.arch import RopeConfig  # noqa: E402
+from attnserve.arch import LayerKind, LayerSpec, RopeConfig  # noqa: E402
 from attnserve.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from attnserve.attention.reference import write_kv  # noqa: E402
-from attnserve.layers.attention import _fusable_norms  # noqa: E402
+from attnserve.core.forward_context import ForwardContext, forward_context  # noqa: E402
+from attnserve.layers.attention import Attention  # noqa: E402
 from attnserve.layers.fused import rms_norm_ref, rotary_ref  # noqa: E402
 from attnserve.layers.norm import RMSNorm  # noqa: E402
 from attnserve.layers.rotary import RotaryEmbedding  # noqa: E402
-from attnserve.ops.triton_fused import rms_norm, rotary  # noqa: E402
-from attnserve.ops.triton_kv_write import rope_write_kv_cache, write_kv_cache  # noqa: E402
+from attnserve.ops.attention.kv_write_triton import rope_write_kv_cache, write_kv_cache  # noqa: E402
+from attnserve.ops.dense.fused_triton import rms_norm, rotary  # noqa: E402
 from tests.kernels.test_rope_kv_write import (  # noqa: E402
     caches,
     engine_outputs_fused_and_unfused,
@@ -130,12 +127,45 @@ def test_fp8_cache_and_checks():
         rope_write_kv_cache(q, k, v, *got, slots, table, positions, head, False, qk_norm=(q_w[:32], k_w, EPS, EPS))
 
 
+def handed_to_fusing_backend(qk_norm: tuple[RMSNorm, RMSNorm], dtype: torch.dtype):
+    """(q, k, the q and k the backend is handed, the RopeTable's qk_norm) when an ``Attention``
+    layer runs with ``qk_norm`` over a backend that fuses RoPE into its cache write."""
+    handed = {}
+
+    def forward_rope(layer, q, k, v, kv_cache, meta, table):
+        handed.update(q=q, k=k, qk_norm=table.qk_norm)
+        return torch.zeros(q.shape[0], layer.num_heads, layer.head_size_v, dtype=q.dtype)
+
+    layer = Attention(LayerSpec(0, LayerKind.FULL, num_heads=4, num_kv_heads=2, head_size=16, head_size_v=16,
+                                scale=0.25))
+    layer.backend, layer.group_id = SimpleNamespace(fuses_rope=True, forward_rope=forward_rope), 0
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, h, 16, generator=gen).to(dtype) for h in (4, 2, 2))
+    rope = RotaryEmbedding(RopeConfig(16, theta=1e4), 16)
+    with torch.no_grad(), forward_context(ForwardContext(None, [None])):
+        layer(q, k, v, positions=torch.arange(3), rope=rope, qk_norm=qk_norm)
+    return q, k, handed["q"], handed["k"], handed["qk_norm"]
+
+
 def test_only_plain_norms_in_the_dtype_fuse():
-    q, k = torch.zeros(2, 4, 16), torch.zeros(2, 2, 16)
+    """The layer leaves plain RMSNorms in q's dtype to the fused kernel (q and k go unnormalised,
+    the weights in the table); any other norm it applies itself and the table carries none."""
     plain = (RMSNorm(16, 1e-6), RMSNorm(16, 1e-5))
-    assert _fusable_norms(plain, q, k) == (plain[0].weight, plain[1].weight, 1e-6, 1e-5)
-    assert _fusable_norms((RMSNorm(16, zero_centered=True), RMSNorm(16)), q, k) is None  # Gemma's
-    assert _fusable_norms(plain, q.half(), k.half()) is None  # fp32 weights on fp16: output promotes
+    with torch.no_grad():
+        for n in plain:
+            n.weight.uniform_(0.5, 1.5)
+    q, k, got_q, got_k, fused = handed_to_fusing_backend(plain, torch.float32)
+    assert fused is not None and fused[0] is plain[0].weight and fused[1] is plain[1].weight
+    assert fused[2:] == (1e-6, 1e-5)
+    assert torch.equal(got_q, q) and torch.equal(got_k, k)
+    gemma = RMSNorm(16, zero_centered=True)  # stores w - 1: either such norm keeps both unfused
+    # fp32 weights on fp16 q: the norm's output promotes, the fused kernel's would not
+    for norms, dtype in (((gemma, plain[1]), torch.float32), ((plain[0], gemma), torch.float32),
+                         (plain, torch.float16)):
+        q, k, got_q, got_k, fused = handed_to_fusing_backend(norms, dtype)
+        assert fused is None
+        with torch.no_grad():
+            assert torch.equal(got_q, norms[0](q)) and torch.equal(got_k, norms[1](k))
 
 
 def test_engine_qwen3_tokens_unchanged_with_fused_qk_norm(tmp_path, monkeypatch):
@@ -156,7 +186,7 @@ def test_engine_qwen3_tokens_unchanged_with_fused_qk_norm(tmp_path, monkeypatch)
 
 
 _LAUNCHES = r"""
-from attnserve.ops import triton_kv_write as W
+from attnserve.ops.attention import kv_write_triton as W
 
 record(W, "_rope_write_kv_kernel")
 

@@ -1,4 +1,4 @@
-"""RoPE fused with the KV-cache write (``ops/triton_kv_write.rope_write_kv_cache``) against its
+"""RoPE fused with the KV-cache write (``ops/attention/kv_write_triton.rope_write_kv_cache``) against its
 twins, on CPU through Triton's interpreter.
 
 The twin is the unfused path: ``layers.fused.rotary_ref`` then ``attention.reference.write_kv``
@@ -10,10 +10,6 @@ rotation, the layer's routing, and an engine whose tokens do not change.
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 from types import SimpleNamespace  # noqa: E402
 
@@ -28,8 +24,8 @@ from attnserve.attention.backends.triton_attn import TritonAttentionBackend  # n
 from attnserve.attention.reference import write_kv  # noqa: E402
 from attnserve.layers.fused import rotary_ref  # noqa: E402
 from attnserve.layers.rotary import RotaryEmbedding  # noqa: E402
-from attnserve.ops.triton_fused import rotary  # noqa: E402
-from attnserve.ops.triton_kv_write import rope_write_kv_cache, write_kv_cache  # noqa: E402
+from attnserve.ops.attention.kv_write_triton import rope_write_kv_cache, write_kv_cache  # noqa: E402
+from attnserve.ops.dense.fused_triton import rotary  # noqa: E402
 from tests.kernels.test_torch_sdpa import BLOCK, make_batch  # noqa: E402
 
 
@@ -202,7 +198,7 @@ def test_engine_tokens_unchanged_with_fused_rope(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- GPU compile
 
 _LAUNCHES = r"""
-from attnserve.ops import triton_kv_write as W
+from attnserve.ops.attention import kv_write_triton as W
 
 record(W, "_rope_write_kv_kernel")
 

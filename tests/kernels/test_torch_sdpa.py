@@ -180,10 +180,9 @@ def test_bucketed_decodes_match_one_padded_batch(feature, dtype, monkeypatch):
                           scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes, sinks=layer.sinks,
                           softcap=layer.softcap)
     outs = {}
-    monkeypatch.setenv("ATTNSERVE_CPU_DECODE_KERNEL", "0")  # plain layers would take the CPU kernel
     for cost in (8, 10**9):
         monkeypatch.setattr(torch_sdpa, "BUCKET_COST_KEYS", cost)
-        backend = TorchSDPABackend(BLOCK)
+        backend = TorchSDPABackend(BLOCK, {"attention.decode": "torch"})  # plain layers would take the CPU kernel
         meta = backend.build_metadata(common, 0)
         outs[cost] = [backend.forward(layer, q.to(dtype), k.to(dtype), v.to(dtype), (kc.to(dtype), vc.to(dtype)), meta)
                       for _ in range(2)]  # the second layer reuses the step's buckets and masks

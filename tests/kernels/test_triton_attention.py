@@ -11,10 +11,6 @@ Not covered here: GPU numerics and speed (``benchmarks/gpu_attention.py``).
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -24,8 +20,8 @@ except ImportError:
     pytest.skip("triton is not installed (pip install attnserve[gpu])", allow_module_level=True)
 
 from attnserve.attention.reference import alibi_slopes, paged_attention, write_kv  # noqa: E402
-from attnserve.ops.triton_kv_write import write_kv_cache  # noqa: E402
-from attnserve.ops.triton_paged_attention import (  # noqa: E402
+from attnserve.ops.attention.kv_write_triton import write_kv_cache  # noqa: E402
+from attnserve.ops.attention.paged_triton import (  # noqa: E402
     pick_config,
     unified_attention,
 )
@@ -244,9 +240,9 @@ def test_split_kv_mixed_batch_fp16(merge):
 def test_merge_in_kernel_leaves_counters_clean():
     """The last split resets its counter: two launches in a row (as two graph replays) over
     different batches both merge right, and every counter is back at 0 after each."""
-    from attnserve.ops.triton_paged_attention import _counters_for
+    from attnserve.ops.attention.paged_triton import split_counters
 
-    counters = _counters_for(torch.device("cpu"), 1)
+    counters = split_counters(torch.device("cpu"), 1)
     for seed, seq_lens in ((13, [300, 7, 129]), (14, [64, 200, 1])):
         batch = make_batch([1, 1, 1], seq_lens, num_heads=8, seed=seed)
         for _ in range(2):
@@ -384,7 +380,8 @@ def test_write_kv_int32_slots_and_views():
 
 # The real launch code's calls (GPU configs, constexprs, dtypes), compiled for sm_90 (``sm90.py``).
 _LAUNCHES = r"""
-from attnserve.ops import triton_kv_write as W, triton_paged_attention as A
+from attnserve.ops.attention import kv_write_triton as W
+from attnserve.ops.attention import paged_triton as A
 
 record(A, "_attention_kernel", "_merge_splits_kernel")
 record(W, "_write_kv_kernel")

@@ -3,10 +3,6 @@ through Triton's interpreter: mixed decode/prefill batches, random paged layouts
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402

@@ -1,4 +1,4 @@
-"""ops/triton_delta_prefill.py (the chunked gated-delta-rule prefill) under Triton's interpreter,
+"""ops/state/delta_prefill_triton.py (the chunked gated-delta-rule prefill) under Triton's interpreter,
 against the PyTorch twins ``gated_delta_prefill`` and ``kda_prefill`` (``attention/state``).
 
 Kernels: varlen batches whose lengths sit on the chunk boundaries (1, BT-1, BT, BT+1, several
@@ -22,10 +22,6 @@ for sm_90 within its shared memory (no GPU needed).
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -34,8 +30,8 @@ pytest.importorskip("triton")
 from attnserve.attention.state import gated_delta_prefill  # noqa: E402
 from attnserve.attention.state.kda import kda_prefill  # noqa: E402
 from attnserve.attention.state.triton_backends import TritonGDNBackend, TritonKDABackend  # noqa: E402
-from attnserve.ops import triton_delta_prefill as prefill_ops  # noqa: E402
-from attnserve.ops.triton_delta_prefill import (  # noqa: E402
+from attnserve.ops.state import delta_prefill_triton as prefill_ops  # noqa: E402
+from attnserve.ops.state.delta_prefill_triton import (  # noqa: E402
     fused_delta_rule_prefill,
     fused_gated_delta_prefill,
     fused_kda_prefill,
@@ -220,7 +216,7 @@ def test_the_triton_backends_take_the_kernel():
 # KDA at 32), compiled for sm_90 (``sm90.py``); the float32 variants (three-pass tf32) compile too,
 # but slowly, and are left to the GPU benchmark.
 _LAUNCHES = r"""
-from attnserve.ops import triton_delta_prefill as P
+from attnserve.ops.state import delta_prefill_triton as P
 
 record(P, "_intra_kernel", "_state_kernel")
 bf = torch.bfloat16

@@ -15,13 +15,7 @@ Not covered here: GPU numerics and speed.
 
 from __future__ import annotations
 
-import os
-import sys
-
 # triton decides at import whether its own helpers (tl.sum, ...) are interpreted
-_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -30,19 +24,13 @@ try:
     import triton  # noqa: E402, F401
 except ImportError:
     pytest.skip("triton is not installed (pip install attnserve[gpu])", allow_module_level=True)
-if _IMPORTED_TOO_EARLY:
-    pytest.skip(
-        "triton was imported before TRITON_INTERPRET=1 was set (an earlier test imported "
-        "transformers): run this file first, or with TRITON_INTERPRET=1 in the environment",
-        allow_module_level=True,
-    )
 
 from attnserve.arch import RopeConfig  # noqa: E402
 from attnserve.layers import fused  # noqa: E402
 from attnserve.layers.activation import gated, get_act_fn  # noqa: E402
 from attnserve.layers.norm import RMSNorm  # noqa: E402
 from attnserve.layers.rotary import RotaryEmbedding  # noqa: E402
-from attnserve.ops import triton_fused  # noqa: E402
+from attnserve.ops.dense import fused_triton as triton_fused  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 _MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
@@ -215,7 +203,7 @@ def test_act_and_mul_leading_dims_and_bf16():
 
 def test_many_blocks(monkeypatch):
     """Tiny blocks: several programs per row set, head set and row, with partial last blocks."""
-    monkeypatch.setattr(triton_fused, "_block_elems", lambda: 64)
+    monkeypatch.setattr(triton_fused, "block_elems", lambda: 64)
     g = gen(13)
     x, res, w = torch.randn(7, 20, generator=g), torch.randn(7, 20, generator=g), torch.randn(20)
     out, r = triton_fused.rms_norm(x, w, 1e-6, res)  # 2 rows per program, 4 programs

@@ -1,4 +1,4 @@
-"""ops/triton_gdn.py (the fused gated-delta-rule decode step) and TRITON_GDN under Triton's
+"""ops/state/delta_decode_triton.py (the fused gated-delta-rule decode step) and TRITON_GDN under Triton's
 interpreter, against the PyTorch twin ``delta_rule_decode`` (``attention/state``).
 
 Kernel: several shapes (Hk < Hv grouping with groups of 2 and 3, dk and dv not powers of two,
@@ -20,10 +20,6 @@ kernel's GPU launches (bf16 inputs, fp32 and bf16 states) compile for sm_90 (no 
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -32,7 +28,7 @@ pytest.importorskip("triton")
 from attnserve.arch import LayerKind  # noqa: E402
 from attnserve.attention.registry import BackendSelectionError, override_for  # noqa: E402
 from attnserve.attention.state import delta_rule_decode  # noqa: E402
-from attnserve.ops.triton_gdn import fused_delta_rule_decode  # noqa: E402
+from attnserve.ops.state.delta_decode_triton import fused_delta_rule_decode  # noqa: E402
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 # (batch, Hk, Hv, dk, dv, decay per key channel, block_v)
@@ -140,7 +136,7 @@ def test_a_state_backend_override_applies_to_its_layers_only():
 
 @pytest.mark.parametrize(("model", "torch_name", "triton_name"),
                          [("qwen3_next", "TORCH_GDN", "TRITON_GDN"), ("kimi_linear", "TORCH_KDA", "TRITON_KDA"),
-                          ("jamba", "TORCH_MAMBA", "TRITON_MAMBA"),  # ops/triton_state_decode.py
+                          ("jamba", "TORCH_MAMBA", "TRITON_MAMBA"),  # ops/state/decode_triton.py
                           ("minimax", "TORCH_LIGHTNING", "TRITON_LIGHTNING")])
 def test_engine_with_the_fused_decode_matches_torch(model, torch_name, triton_name, tmp_path):
     from attnserve import LLM, SamplingParams
@@ -169,7 +165,7 @@ def test_engine_with_the_fused_decode_matches_torch(model, torch_name, triton_na
 
 # The kernel's GPU launches (bf16 inputs, fp32 and bf16 states), compiled for sm_90 (``sm90.py``).
 _LAUNCHES = r"""
-from attnserve.ops import triton_gdn as G
+from attnserve.ops.state import delta_decode_triton as G
 
 record(G, "_delta_rule_decode_kernel")
 bf = torch.bfloat16

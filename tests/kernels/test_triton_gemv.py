@@ -16,12 +16,6 @@ Not covered here: GPU numerics and speed (``benchmarks/gpu_gemv.py``).
 
 from __future__ import annotations
 
-import os
-import sys
-
-_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -31,9 +25,6 @@ try:
     import triton  # noqa: E402, F401
 except ImportError:
     pytest.skip("triton is not installed (pip install attnserve[gpu])", allow_module_level=True)
-if _IMPORTED_TOO_EARLY:
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run this file first, or with "
-                "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
 from attnserve.arch import read_arch  # noqa: E402
 from attnserve.layers import gemv  # noqa: E402
@@ -41,8 +32,8 @@ from attnserve.layers.activation import get_act_fn  # noqa: E402
 from attnserve.layers.fused import act_and_mul_ref, rms_norm_ref  # noqa: E402
 from attnserve.layers.norm import LayerNorm, RMSNorm  # noqa: E402
 from attnserve.models.llama import LlamaForCausalLM  # noqa: E402
-from attnserve.ops import triton_gemv  # noqa: E402
-from attnserve.ops.triton_gemv import GemvConfig  # noqa: E402
+from attnserve.ops.dense import gemv_triton as triton_gemv  # noqa: E402
+from attnserve.ops.dense.gemv_triton import GemvConfig  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 CONFIGS = [None, GemvConfig(block_n=16, block_k=32, num_warps=1, num_stages=1, dot=True)]  # None: pinned
@@ -216,12 +207,16 @@ def test_dispatch(monkeypatch):
         pass
 
 
-def test_switch_is_read_at_build(monkeypatch):
-    monkeypatch.setenv("ATTNSERVE_SMALL_M_GEMV", "0")
-    assert not gemv.enabled()
-    monkeypatch.setenv("ATTNSERVE_SMALL_M_GEMV", "1")
+def test_the_plans_choice_is_read_at_build():
+    """A model built by an engine reads the plan's dense.small_m variant; outside an engine's
+    build the kernels run wherever the device allows."""
+    from attnserve.attention.kernels import model_kernels
+
     assert gemv.enabled()
-    monkeypatch.delenv("ATTNSERVE_SMALL_M_GEMV")
+    with model_kernels({"dense.small_m": "torch"}):
+        assert not gemv.enabled()
+    with model_kernels({"dense.small_m": "triton_gemv"}):
+        assert gemv.enabled()
     assert gemv.enabled()
 
 

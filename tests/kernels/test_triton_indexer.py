@@ -14,10 +14,7 @@ Not covered here: GPU numerics and speed (``benchmarks/gpu_mla.py``).
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -30,11 +27,11 @@ except ImportError:
 from attnserve.attention.backends.torch_mla_sparse import index_scores  # noqa: E402
 from attnserve.attention.reference_mla import indexer_topk, write_indexer_keys  # noqa: E402
 from attnserve.kvcache.fp8 import hadamard, indexer_fp8_views, quantize_act_fp8  # noqa: E402
-from attnserve.ops.triton_indexer import (  # noqa: E402
+from attnserve.ops.indexer.logits_triton import (  # noqa: E402
     IndexerConfig,
-    _row_align,
     indexer_logits,
     lightning_indexer_topk,
+    row_align,
 )
 from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 from tests.kernels.test_triton_mla import paged  # noqa: E402
@@ -212,7 +209,7 @@ def test_indexer_configs_are_checked():
 def test_decode_kernel_choice_on_the_gpu():
     """GPU decode: fp8 keys always stream; bf16 keys stream from STREAM_MIN_SEQS_BF16 requests
     (the tiled kernel was ahead at batch 1 on the H200); prefill takes the tiled kernel."""
-    from attnserve.ops.triton_indexer import STREAM_MIN_SEQS_BF16, pick_indexer_config
+    from attnserve.ops.indexer.logits_triton import STREAM_MIN_SEQS_BF16, pick_indexer_config
 
     def pick(fp8, seqs, max_q=1):
         return pick_indexer_config(64, max_q, torch.bfloat16, False, fp8=fp8, num_seqs=seqs).stream
@@ -226,11 +223,11 @@ def test_decode_kernel_choice_on_the_gpu():
 def test_row_align_of_key_rows():
     """The alignment (elements) the kernels promise the compiler for key rows: 132-byte fp8
     rows 4 (not 16: the loads are 4 bytes wide), 128 bf16 one 16-byte vector, odd widths less."""
-    assert _row_align(indexer_fp8_views(torch.zeros(3, 64, 132, dtype=torch.uint8))[0]) == 4
-    assert _row_align(torch.zeros(3, 16, 128, dtype=torch.bfloat16)) == 8
-    assert _row_align(torch.zeros(3, 16, 128)) == 4
-    assert _row_align(torch.zeros(3, 16, 66, dtype=torch.bfloat16)) == 2
-    assert _row_align(torch.zeros(3, 16, 33)) == 1
+    assert row_align(indexer_fp8_views(torch.zeros(3, 64, 132, dtype=torch.uint8))[0]) == 4
+    assert row_align(torch.zeros(3, 16, 128, dtype=torch.bfloat16)) == 8
+    assert row_align(torch.zeros(3, 16, 128)) == 4
+    assert row_align(torch.zeros(3, 16, 66, dtype=torch.bfloat16)) == 2
+    assert row_align(torch.zeros(3, 16, 33)) == 1
 
 
 # The GPU launches (64 heads x 128, page 64): the streaming kernel at its pinned fp8 and bf16
@@ -240,7 +237,7 @@ _LAUNCHES = r"""
 sys.path.insert(0, BENCHMARKS)  # as when gpu_mla.py runs as a script
 from gpu_mla import SWEEP_INDEXER
 
-from attnserve.ops import triton_indexer as I
+from attnserve.ops.indexer import logits_triton as I
 
 record(I, "_indexer_kernel", "_indexer_stream_kernel")
 B, S, PAGE = 8, 4096, 64  # 8 requests: bf16 keys stream from 8 (STREAM_MIN_SEQS_BF16)

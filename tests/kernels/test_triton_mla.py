@@ -16,9 +16,6 @@ Not covered here: the DSA indexer (``test_triton_indexer.py``), GPU numerics and
 from __future__ import annotations
 
 import itertools
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -36,8 +33,9 @@ from attnserve.attention.reference_mla import (  # noqa: E402
     write_latent,
 )
 from attnserve.kvcache.fp8 import mla_fp8_row_bytes  # noqa: E402
-from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
-from attnserve.ops.triton_mla_sparse import sparse_mla  # noqa: E402
+from attnserve.ops.mla.decode_triton import mla_decode  # noqa: E402
+from attnserve.ops.mla.latent import MLAConfig  # noqa: E402
+from attnserve.ops.mla.sparse_triton import sparse_mla  # noqa: E402
 
 HEADS, NOPE, ROPE, V = 4, 16, 8, 12
 SCALE = 0.3
@@ -151,20 +149,18 @@ def test_mla_decode_head_blocks_and_pages(page, block_n):
 
 
 def test_many_head_configs_pipeline_dense_bf16_only():
-    """128 heads on the GPU: dense bf16 decode pipelines two 64-key tiles read by TMA (no register
-    spills on the H200); fp8 rows and sparse MLA keep one stage and gathered rows, as do 16
-    heads. The interpreter's config never changes."""
-    from attnserve.ops.triton_mla import pick_mla_config
+    """128 heads on the GPU: dense bf16 decode pipelines two 64-key tiles (read by TMA where the
+    kernel table picks ``mla.absorbed/triton_tma``: no register spills on the H200); fp8 rows and
+    sparse MLA keep one stage. The interpreter's config never changes."""
+    from attnserve.ops.mla.latent import pick_mla_config
 
     dense = pick_mla_config(128, torch.bfloat16, interpret=False)
     assert (dense.block_h, dense.block_n, dense.num_warps, dense.num_stages) == (64, 64, 8, 2)
-    assert dense.tma, "dense bf16 rows in 64-row pages: whole-page TMA tiles"
     fp8 = pick_mla_config(128, torch.bfloat16, interpret=False, fp8=True)
     sparse = pick_mla_config(128, torch.bfloat16, interpret=False, sparse=True)
-    assert fp8.num_stages == sparse.num_stages == 1 and not fp8.tma and not sparse.tma
-    assert not pick_mla_config(16, torch.bfloat16, interpret=False).tma  # 16 heads: gathered rows
+    assert fp8.num_stages == sparse.num_stages == 1
+    assert pick_mla_config(16, torch.bfloat16, interpret=False).block_h == 16  # 16 heads: 16-row programs
     interp = pick_mla_config(128, torch.bfloat16, interpret=True)
-    assert not interp.tma
     assert interp == pick_mla_config(128, torch.bfloat16, interpret=True, sparse=True)
 
 

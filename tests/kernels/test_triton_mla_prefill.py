@@ -12,10 +12,7 @@ greedy tokens and logprobs, and no short prefill reaches the expanded path.
 from __future__ import annotations
 
 import itertools
-import os
 from types import SimpleNamespace
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

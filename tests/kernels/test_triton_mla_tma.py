@@ -1,4 +1,4 @@
-"""The TMA form of the dense MLA decode kernel (``ops/triton_mla_tma``) against the PyTorch twin
+"""The TMA form of the dense MLA decode kernel (``ops/mla/decode_triton_tma``) against the PyTorch twin
 and the pointer kernel, on CPU through Triton's interpreter (which emulates tensor descriptors).
 
 Caches are NaN-filled before the live rows are written: a read of an unused slot, the null
@@ -7,10 +7,6 @@ tile and page boundaries; splits leave some programs only the partial tile, othe
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -21,8 +17,9 @@ except ImportError:
     pytest.skip("triton is not installed (pip install attnserve[gpu])", allow_module_level=True)
 
 from attnserve.attention.reference_mla import sparse_mla_attention, write_latent  # noqa: E402
-from attnserve.ops.triton_mla import MLAConfig, mla_decode  # noqa: E402
-from attnserve.ops.triton_mla_tma import tma_fits  # noqa: E402
+from attnserve.ops.mla.decode_triton import mla_decode  # noqa: E402
+from attnserve.ops.mla.decode_triton_tma import mla_decode_tma, tma_fits  # noqa: E402
+from attnserve.ops.mla.latent import MLAConfig  # noqa: E402
 
 RANK, ROPE, SCALE = 32, 16, 0.3
 
@@ -76,9 +73,9 @@ def test_tma_decode_matches_twin_and_pointer_kernel(dtype, page, block_n, heads)
     pointer = mla_decode(q, cache, table, seq_lens, kv_lora_rank=RANK, scale=SCALE,
                          max_seq_len=100, config=MLAConfig(16, block_n, 4, 1))  # fmt: skip
     for splits in (1, 3, 8):
-        cfg = MLAConfig(16, block_n, 4, 1, tma=True)
+        cfg = MLAConfig(16, block_n, 4, 1)
         out = torch.full((len(lens), heads, RANK), float("nan"), dtype=dtype)
-        mla_decode(q, cache, table, seq_lens, kv_lora_rank=RANK, scale=SCALE, max_seq_len=100,
+        mla_decode_tma(q, cache, table, seq_lens, kv_lora_rank=RANK, scale=SCALE, max_seq_len=100,
                    out=out, num_splits=splits, config=cfg)  # fmt: skip
         assert (out[0] == 0).all(), "a request with no keys gives 0"
         tol = 2e-5 if dtype == torch.float32 else 5e-3
@@ -96,13 +93,13 @@ def test_tma_fits_rejects_what_tma_cannot_load():
     assert not tma_fits(torch.zeros(4, 16, 2 * (RANK + ROPE))[..., : RANK + ROPE], RANK, 16)
 
 
-def test_pointer_kernel_when_tma_does_not_fit():
-    """tma=True over a cache it cannot take (pages smaller than the tile) falls back, exactly."""
+def test_tma_entry_refuses_a_cache_it_cannot_take():
+    """Pages smaller than the key tile: ``mla_decode_tma`` refuses them (the kernel table never
+    picks it there: ``mla.absorbed/triton_tma`` takes pages of a multiple of 64)."""
     lens = [5, 40]
     cache, table = _cache(lens, 8, torch.float32, seed=3)
     q = torch.randn(2, 4, RANK + ROPE, generator=torch.Generator().manual_seed(4))
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kw = dict(kv_lora_rank=RANK, scale=SCALE, max_seq_len=40, num_splits=1)
-    a = mla_decode(q, cache, table, seq_lens, config=MLAConfig(16, 16, 4, 1, tma=True), **kw)
-    b = mla_decode(q, cache, table, seq_lens, config=MLAConfig(16, 16, 4, 1), **kw)
-    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="tma_fits"):
+        mla_decode_tma(q, cache, table, seq_lens, config=MLAConfig(16, 16, 4, 1), **kw)

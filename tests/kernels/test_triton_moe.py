@@ -1,14 +1,10 @@
-"""ops/triton_moe.py under Triton's interpreter: the pair alignment's invariants, and the two
+"""ops/moe/experts_triton.py under Triton's interpreter: the pair alignment's invariants, and the two
 grouped expert kernels against FusedExperts' PyTorch path (SwiGLU, GPT-OSS's clamped form with
 biases, experts without tokens, pairs of other ranks' experts dropped), float32 and float16, with
 the decode tiles and the prefill tiles (tall tiles, several per expert, grouped launch order);
 the tile config chosen per batch size."""
 
 from __future__ import annotations
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,7 +13,13 @@ pytest.importorskip("triton")
 
 from attnserve.layers.fused import override_impl  # noqa: E402
 from attnserve.layers.moe import FusedExperts  # noqa: E402
-from attnserve.ops.triton_moe import CONFIGS, MoEConfig, align_pairs, fused_experts, moe_config  # noqa: E402
+from attnserve.ops.moe.experts_triton import (  # noqa: E402
+    CONFIGS,
+    MoEConfig,
+    align_pairs,
+    fused_experts,
+    moe_config,
+)
 from tests.unit.test_moe import _randomise  # noqa: E402
 
 

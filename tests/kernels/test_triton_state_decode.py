@@ -1,4 +1,4 @@
-"""ops/triton_state_decode.py (the fused Mamba-1 and lightning decode steps), TRITON_MAMBA and
+"""ops/state/decode_triton.py (the fused Mamba-1 and lightning decode steps), TRITON_MAMBA and
 TRITON_LIGHTNING under Triton's interpreter, against the PyTorch twins ``selective_scan_decode``
 and ``lightning_attention_decode`` (``attention/state``).
 
@@ -18,17 +18,13 @@ launches (bf16 inputs, fp32 and bf16 states) compile for sm_90 (no GPU needed).
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
 from attnserve.attention.state import lightning_attention_decode, selective_scan_decode  # noqa: E402
-from attnserve.ops.triton_state_decode import (  # noqa: E402
+from attnserve.ops.state.decode_triton import (  # noqa: E402
     fused_lightning_decode,
     fused_selective_scan_decode,
 )
@@ -160,7 +156,7 @@ def test_bad_shapes_are_refused():
 # The kernels' GPU launches (bf16 inputs, fp32 and bf16 states, several tiles), compiled for
 # sm_90 (``sm90.py``).
 _LAUNCHES = r"""
-from attnserve.ops import triton_state_decode as S
+from attnserve.ops.state import decode_triton as S
 
 record(S, "_selective_scan_decode_kernel", "_lightning_decode_kernel")
 bf = torch.bfloat16

@@ -1,4 +1,4 @@
-"""ops/triton_state_prefill.py (the Mamba-1 scan, lightning attention and the short causal conv, prefill
+"""ops/state/prefill_triton.py (the Mamba-1 scan, lightning attention and the short causal conv, prefill
 and conv decode) under Triton's interpreter, against the PyTorch twins ``selective_scan_prefill``,
 ``lightning_attention_prefill``, ``causal_conv1d_prefill`` and ``causal_conv1d_update``
 (``attention/state``).
@@ -23,10 +23,6 @@ launches (bf16 inputs) compile for sm_90 (no GPU needed).
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -38,7 +34,7 @@ from attnserve.attention.state import (  # noqa: E402
     lightning_attention_prefill,
     selective_scan_prefill,
 )
-from attnserve.ops.triton_state_prefill import (  # noqa: E402
+from attnserve.ops.state.prefill_triton import (  # noqa: E402
     fused_causal_conv1d_prefill,
     fused_causal_conv1d_update,
     fused_lightning_prefill,
@@ -198,10 +194,10 @@ def test_bad_shapes_are_refused():
 # the H200 by benchmarks/gpu_state_prefill.py): the scan's pieces passes and carry, lightning's
 # float32 launch.
 _LAUNCHES = r"""
-from attnserve.ops import triton_state_prefill as S
+from attnserve.ops.state import prefill_triton as S
 
-record(S, "_selective_scan_prefill_kernel", "_lightning_prefill_kernel", "_conv_prefill_kernel", "_conv_state_kernel",
-       "_conv_update_kernel")
+record(S, "selective_scan_prefill_kernel", "lightning_prefill_kernel", "conv_prefill_kernel", "conv_state_kernel",
+       "conv_update_kernel")
 bf = torch.bfloat16
 kw = dict(query_start_loc=torch.tensor([0, 3000, 4096], dtype=torch.int32), state_indices=torch.tensor([1, 2]),
           has_initial_state=torch.tensor([True, False]))

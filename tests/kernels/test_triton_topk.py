@@ -1,4 +1,4 @@
-"""``ops/triton_topk.topk_rows`` (radix select) against ``torch.topk``, under Triton's interpreter.
+"""``ops/indexer/topk_triton.topk_rows`` (radix select) against ``torch.topk``, under Triton's interpreter.
 
 Rows are split into chunks (512 columns under the interpreter), each its own program, so ties
 and the cut fall across chunk boundaries here. The selection is a set: each row's selected scores, sorted, must equal torch's top-k values,
@@ -9,17 +9,13 @@ so a kernel that read them would select them or break the count.
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from attnserve.ops.triton_mla_sparse import topk_from_logits  # noqa: E402
-from attnserve.ops.triton_topk import topk_rows  # noqa: E402
+from attnserve.ops.indexer.topk_triton import topk_rows  # noqa: E402
+from attnserve.ops.mla.sparse_triton import topk_from_logits  # noqa: E402
 
 
 def check(scores: torch.Tensor, lens: torch.Tensor, topk: int, got: torch.Tensor) -> None:

@@ -146,7 +146,10 @@ def test_startup_summary(reference):
     usable = engine.kv_manager.pool.num_blocks - 1
     assert lines[0].startswith(f"model {engine.config.model.model} (llama, 2 layers, GQA) on cpu")
     assert "dtype" in lines[0] and "KV cache dtype" in lines[0]
-    assert lines[1] == "cache group 0 (full): 2 full layers (layers 0, 1): backend " + engine.parts.backend_names[0]
+    kernels = engine.parts.plan.groups[0].kernel_names()  # the variants the backend was built with
+    assert kernels == engine.runner.backends[0].kernels
+    assert lines[1] == ("cache group 0 (full): 2 full layers (layers 0, 1): backend " + engine.parts.backend_names[0]
+                        + f"; kernels attention.decode {kernels['attention.decode']}, attention.prefill torch")
     per_seq = -(-engine.max_model_len // 16)
     assert f"{usable:,} blocks of 16 tokens" in lines[2] and f"{usable * 16:,} tokens fit" in lines[2]
     assert f"holds {per_seq:,} blocks: {usable / per_seq:.2f}x" in lines[2]

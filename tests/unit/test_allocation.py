@@ -76,7 +76,15 @@ def test_bad_checkpoints_name_the_file(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no weights in"):
         LLM(str(tmp_path), dtype="float32")
-    assert LLM(str(tmp_path), dtype="float32", load_format="dummy").generate("hi") is not None
+    # no weights on disk: load_format="dummy" builds the model with random weights and serves it
+    dummy = LLM(str(tmp_path), dtype="float32", load_format="dummy")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = dummy.generate({"prompt_token_ids": [5, 6, 7]}, greedy)
+    assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 8 and all(0 <= t < VOCAB for t in out.outputs[0].token_ids)
+    matrices = [p for p in dummy.llm_engine.parts.runner.model.parameters() if p.dim() >= 2]
+    # every matrix drawn from N(0, 0.02), none left at its constructor's init or read from a file
+    assert matrices and all(p.detach().std().item() == pytest.approx(0.02, rel=0.1) for p in matrices)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "missing.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         LLM(str(tmp_path), dtype="float32")

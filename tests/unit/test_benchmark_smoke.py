@@ -55,9 +55,15 @@ def test_benchmark_runs_at_toy_sizes(script, tmp_path):
     assert list(tmp_path.glob("*.json")), f"{script} wrote no JSON"
 
 
-def run_gpu_attention(tmp_path, args: list[str], twin_off: str | None = None) -> tuple[int, dict]:
-    """``gpu_attention.py --smoke *args``: its exit code and JSON. ``twin_off``: a feature keyword
-    whose checks compare against a twin made wrong (its output + 1), so those checks must fail."""
+def run_gpu_attention(tmp_path, args: list[str], twin_off: str | None = None,
+                      failing: tuple[str, ...] = ()) -> dict:
+    """``gpu_attention.py --smoke *args``: its JSON. ``twin_off``: a feature keyword whose checks
+    compare against a twin made wrong (its output + 1), so those checks must fail; ``failing``:
+    the check cases that then fail.
+
+    In a smoke run the script exits 1 exactly when a check fails (2 is for no GPU without
+    ``--smoke``), else 0. An uncaught exception exits 1 too, so a run is also required to reach
+    its end: no traceback, the JSON written, and the last line naming the failed checks, if any."""
     script = str(ROOT / "benchmarks" / "gpu_attention.py")
     wrapper = (
         "import runpy, sys\n"
@@ -71,13 +77,20 @@ def run_gpu_attention(tmp_path, args: list[str], twin_off: str | None = None) ->
     env = {**os.environ, "OUT": str(tmp_path / "out"), "TRITON_INTERPRET": "1"}  # OUT: made by it
     proc = subprocess.run([sys.executable, "-c", wrapper], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.returncode, json.loads((tmp_path / "out" / "gpu_attention.json").read_text())
+    log = proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == (1 if failing else 0) and "Traceback" not in proc.stderr, log
+    path = tmp_path / "out" / "gpu_attention.json"
+    assert f"wrote {path}" in proc.stdout.splitlines(), log
+    last = proc.stdout.rstrip().splitlines()[-1]
+    if failing:
+        assert last.startswith(f"checks FAILED: {', '.join(failing)} (bound "), log
+    else:
+        assert "checks FAILED" not in proc.stdout, log
+    return json.loads(path.read_text())
 
 
 def test_gpu_attention_prefill_only_times_one_shape_without_checks(tmp_path):
-    code, got = run_gpu_attention(tmp_path, ["--only", "prefill", "--prefill-tokens", "48"])
-    assert code == 0
+    got = run_gpu_attention(tmp_path, ["--only", "prefill", "--prefill-tokens", "48"])
     assert (got["only"], got["checks"], got["checks_ok"]) == (["prefill"], [], None)
     assert (got["decode_shapes"], got["prefill_tokens"]) == ([], [48])
     assert [(r["kind"], r["tokens"]) for r in got["rows"]] == [("prefill", 48)]
@@ -87,8 +100,8 @@ def test_gpu_attention_prefill_only_times_one_shape_without_checks(tmp_path):
 def test_gpu_attention_only_checks_times_nothing_and_a_failure_exits_1(tmp_path):
     """Only the window check meets a wrong twin: it fails, the other 13 pass, nothing is timed (no
     ceilings either), and the run exits 1."""
-    code, got = run_gpu_attention(tmp_path, ["--only", "checks"], twin_off="window")
-    assert code == 1 and got["checks_ok"] is False and len(got["checks"]) == 14
+    got = run_gpu_attention(tmp_path, ["--only", "checks"], twin_off="window", failing=("window",))
+    assert got["checks_ok"] is False and len(got["checks"]) == 14
     assert [c["case"] for c in got["checks"] if not c["ok"]] == ["window"]
     assert (got["only"], got["rows"], got["ceilings"], got["prefill_tokens"]) == (["checks"], [], None, [])
 

@@ -126,3 +126,53 @@ def test_an_upward_import_breaks_the_layers(tmp_path):
     run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode != 0
     assert "attnserve.kvcache.spec -> attnserve.engine.engine" in run.stdout, run.stdout
+
+
+def _private_imports(root: Path) -> list[str]:
+    """``from attnserve... import _name`` anywhere under ``root`` (a file reaching into another
+    file's private names), as "file: module._name"."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnserve"):
+                found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and a.name != "__version__"]
+    return found
+
+
+def test_no_file_imports_another_files_private_names():
+    """Helpers two files share are public names of a named module (the ops' Hopper and launch
+    helpers, the engine's command vocabulary), never ``_private`` ones, in the package, its
+    tests and its benchmarks."""
+    for root in (PACKAGE, ROOT / "tests", ROOT / "benchmarks"):
+        assert _private_imports(root) == [], root
+
+
+def test_the_private_import_finder_finds_one(tmp_path):
+    (tmp_path / "m.py").write_text("from attnserve.engine.builder import _secret, public\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert _private_imports(tmp_path) == ["m.py: attnserve.engine.builder._secret"]
+    finally:
+        ROOT = saved
+
+
+def test_env_reads_at_most_ten_attnserve_variables_and_lists_them():
+    """STYLE.md: env.py holds at most ten debug variables; every one it reads is in its list."""
+    import re
+
+    from attnserve import env
+
+    read = set(re.findall(r'(?:environ(?:\.get)?[(\[]|_flag\()"(ATTNSERVE_[A-Z_]+)"', (PACKAGE / "env.py").read_text()))
+    assert read == set(env.ATTNSERVE_VARIABLES)
+    assert len(read) <= 10
+    others = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+              if p.name != "env.py" and re.search(r"os\.environ|getenv\(", p.read_text())]
+    assert others == []
+    # and no docstring, help text or document names a variable that is gone
+    files = [*PACKAGE.rglob("*.py"), ROOT / "README.md", ROOT / "docs" / "architecture.md"]
+    named = {m for p in files for m in re.findall(r"ATTNSERVE_[A-Z][A-Z_]*[A-Z]", p.read_text())}
+    assert named - read - {"ATTNSERVE_VARIABLES"} == set()

@@ -8,8 +8,12 @@ import sys
 
 import pytest
 
+from attnserve.arch import LayerKind, load_hf_config, read_arch
+from attnserve.config import EngineConfig
+from attnserve.engine.plan import plan_engine
 from attnserve.entrypoints.cli import main
-from attnserve.presets import preset_names
+from attnserve.platforms import get_platform
+from attnserve.presets import preset_names, resolve_config_path
 
 GIB = 1024**3
 
@@ -67,12 +71,39 @@ def test_offload_column_covers_sliding_windows(capsys):
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm"])
 @pytest.mark.parametrize("name", preset_names())
 def test_every_shipped_config_on_every_platform(capsys, name, platform):
+    """What inspect shows is the engine's plan for the config: every layer's kind, window, bytes
+    and backend (with the ones passed over), and the totals."""
     out = run_json(capsys, name, "--platform", platform)
+    path, plat = resolve_config_path(name), get_platform(platform)
+    plan = plan_engine(read_arch(load_hf_config(path)), EngineConfig.from_kwargs(str(path.parent)), plat)
     assert out["platform"] == platform
-    assert sum(g["num_layers"] for g in out["layer_groups"]) == out["num_layers"]
-    for g in out["layer_groups"]:
-        if g["backend"] == "none":  # nothing implemented yet for this kind: every reason is given
-            assert g["passed_over"] and all(g["passed_over"].values())
+    assert (out["dtype"], out["kv_cache_dtype"], out["block_size"], out["max_model_len"]) == (
+        plan.dtype, plan.kv_cache_dtype, plan.block_size, plan.max_model_len)
+    assert (out["kv_bytes_per_token"], out["state_bytes_per_sequence"], out["bytes_per_sequence"]) == (
+        plan.kv_bytes_per_token, plan.state_bytes_per_sequence, plan.bytes_per_sequence)
+    rows = out["layer_groups"]
+    row_of = {i: g for g in rows for i in g["layers"]}
+    assert sorted(row_of) == [lp.layer for lp in plan.layers] and len(row_of) == out["num_layers"]
+    assert sum(g["num_layers"] for g in rows) == out["num_layers"]  # each layer in one row
+    for spec, lp in zip(plan.rank_arch.layers, plan.layers, strict=True):
+        g, own = row_of[lp.layer], [e.spec for e in plan.entries if e.layer == lp.layer]
+        assert (g["kind"], g["window"]) == (lp.kind.value, spec.window)
+        assert g["bytes_per_token_per_layer"] == sum(s.bytes_per_token for s in own)
+        assert g["state_bytes_per_sequence_per_layer"] == sum(s.bytes_per_sequence for s in own)
+        assert g["backend"] == lp.backend.name
+        assert g["passed_over"] == {n: list(r) for n, r in lp.backend.passed_over}
+    assert out["kv_bytes_per_token"] == sum(g["bytes_per_token_per_layer"] * g["num_layers"] for g in rows)
+    assert out["state_bytes_per_sequence"] == sum(
+        g["state_bytes_per_sequence_per_layer"] * g["num_layers"] for g in rows)
+    for g in rows:  # passed over: the platform's list ahead of the backend, each with its reasons
+        priority = list(plat.backend_priority(LayerKind(g["kind"])))
+        ahead = priority if g["backend"] == "none" else priority[:priority.index(g["backend"])]
+        assert list(g["passed_over"]) == ahead and all(g["passed_over"].values())
+    # the table names the same backend for each kind
+    assert main(["inspect", name, "--platform", platform]) == 0
+    backends = capsys.readouterr().out.split("\nBackends:\n", 1)[1].splitlines()
+    for g in rows:
+        assert any(line.startswith(f"  {g['kind']}: {g['backend']}") for line in backends), g
 
 
 def test_table_form_explains_backends(capsys):

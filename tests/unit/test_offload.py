@@ -391,19 +391,19 @@ def test_written_blocks_and_the_fence_rule():
     from types import SimpleNamespace
 
     from attnserve.kvcache.offload.manager import LoadJob
-    from attnserve.runner.offload_io import _Transfer, written_blocks
+    from attnserve.runner.offload_io import Transfer, fence_for, written_blocks
 
     scheduled = [SimpleNamespace(start=5, num_new_tokens=6, block_ids=[[11, 12, 13, 14], [21, 22, 23, 24]]),
                  SimpleNamespace(start=8, num_new_tokens=1, block_ids=[[31, 32, 33], [41, 42, 43]])]
     assert written_blocks(scheduled, 4) == {(0, 12), (0, 13), (1, 22), (1, 23), (0, 33), (1, 43)}
-    io = OffloadIO([], {}, [])
-    first, second = _Transfer(reads={(0, 5)}), _Transfer(reads={(0, 7)})
-    io._inflight.extend([first, second])
-    assert io._fence({(0, 5), (1, 7)}) is first and io._fence({(0, 7)}) is second and io._fence({(0, 9)}) is None
-    io._inflight.append(_Transfer(reads_state=True))
-    assert io._fence(set()) is io._inflight[-1]
-    io._inflight.append(_Transfer(loads=[LoadJob("r")]))
-    assert io._fence(set()) is io._inflight[-1]
+    first, second = Transfer(reads={(0, 5)}), Transfer(reads={(0, 7)})
+    inflight = [first, second]  # oldest first
+    assert fence_for(inflight, {(0, 5), (1, 7)}) is first and fence_for(inflight, {(0, 7)}) is second
+    assert fence_for(inflight, {(0, 9)}) is None and fence_for(inflight, set()) is None
+    inflight.append(Transfer(reads_state=True))
+    assert fence_for(inflight, set()) is inflight[-1]
+    inflight.append(Transfer(loads=[LoadJob("r")]))
+    assert fence_for(inflight, set()) is inflight[-1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -502,17 +502,17 @@ def test_model_identity_names_the_weights(tmp_path):
     """Weights replaced in place, another seed of random weights, another cache dtype or block
     layout: another identity, so the disk tier's files of the old one are never read."""
     from attnserve.config import CacheConfig, EngineConfig, ModelConfig
-    from attnserve.engine.builder import _model_identity
+    from attnserve.engine.builder import model_identity
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     config = EngineConfig(ModelConfig(str(tmp_path)))
-    same = _model_identity(config, tmp_path, 16, 1024)
-    assert _model_identity(config, tmp_path, 16, 1024) == same
-    assert _model_identity(config, tmp_path, 16, 2048) != same
-    assert _model_identity(EngineConfig(ModelConfig(str(tmp_path)), CacheConfig(kv_cache_dtype="fp8")),
+    same = model_identity(config, tmp_path, 16, 1024)
+    assert model_identity(config, tmp_path, 16, 1024) == same
+    assert model_identity(config, tmp_path, 16, 2048) != same
+    assert model_identity(EngineConfig(ModelConfig(str(tmp_path)), CacheConfig(kv_cache_dtype="fp8")),
                            tmp_path, 16, 1024) != same
-    dummy = [_model_identity(EngineConfig(ModelConfig(str(tmp_path), load_format="dummy", seed=s)), tmp_path, 16, 1024)
+    dummy = [model_identity(EngineConfig(ModelConfig(str(tmp_path), load_format="dummy", seed=s)), tmp_path, 16, 1024)
              for s in (0, 1)]
     assert dummy[0] != dummy[1]
     (tmp_path / "model.safetensors").write_bytes(b"retrained")
-    assert _model_identity(config, tmp_path, 16, 1024) != same
+    assert model_identity(config, tmp_path, 16, 1024) != same

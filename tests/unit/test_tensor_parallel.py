@@ -334,12 +334,13 @@ def test_torchrun_two_hosts_on_loopback(tmp_path, capsys):
 
 @pytest.mark.parametrize("heads,kv_heads,world", [(8, 4, 2), (8, 2, 4), (8, 1, 4), (16, 4, 8)])
 def test_each_rank_keeps_the_kv_heads_of_its_query_heads(heads, kv_heads, world):
-    from attnserve.runner.parallel import ParallelState, _kv_heads
+    from attnserve.arch import kv_head_share
+    from attnserve.runner.parallel import ParallelState
 
     group = heads // kv_heads  # query heads per KV head
     for rank in range(world):
         p = ParallelState(rank, world)
-        q_lo, q_hi = p.split(heads, "heads")
-        kv_lo, kv_n = _kv_heads(kv_heads, p)
+        q_lo, q_hi = p.split(heads, "heads")  # the query heads the sharding pass keeps
+        kv_lo, kv_n = kv_head_share(kv_heads, world, rank)  # and the KV heads
         assert kv_n == max(1, kv_heads // world)
         assert {h // group for h in range(q_lo, q_hi)} <= set(range(kv_lo, kv_lo + kv_n))

@@ -18,6 +18,11 @@ persistent buffers it owns (``refresh_graph_metadata``). A backend takes part on
 ``cuda_graph_safe`` says its decode forward launches the same work for any values in those
 tensors: no host synchronisation, no host branching on device data.
 
+Kernels: a backend launches the operations its registry entry names (``attention/kernels.py``),
+each by the variant the engine's plan chose for its group (``Backend(block_size, kernels)``;
+``Backend.kernel`` returns it). A backend built without choices (tests, benchmarks) picks on its
+first call, from that call's tensors, through the same table.
+
 RoPE: the model's layer normally rotates q and k before ``forward``. A backend with
 ``fuses_rope`` also takes ``forward_rope``: q and k arrive unrotated with a ``RopeTable``, and
 the backend rotates them on the way (TRITON_ATTN: in the kernel that writes the cache). The
@@ -29,18 +34,21 @@ A ``RopeTable`` may also carry a per-head RMSNorm of q and k (Qwen3's q_norm/k_n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from attnserve.arch import LayerKind
+from attnserve.attention import kernels
+from attnserve.attention.kernels import KernelProblem, KernelVariant
 
 if TYPE_CHECKING:
     import torch
 
     from attnserve.attention.metadata import CommonAttentionMetadata
 
-__all__ = ["AttentionBackend", "Backend", "BackendRequest", "Capabilities", "FEATURES", "RopeTable"]
+__all__ = ["AttentionBackend", "Backend", "BackendRequest", "Capabilities", "FEATURES", "RopeTable",
+           "layer_features", "tensor_problem"]
 
 FEATURES = ("sliding_window", "alibi", "sinks", "softcap", "streaming")
 
@@ -84,8 +92,48 @@ class RopeTable:
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return "fp8" if name.startswith("float8") or name == "uint8" else name
+
+
+def layer_features(layer: Any) -> frozenset[str]:
+    """The attention features of a layer object (``LayerSpec.features`` as the layer holds them)."""
+    out = set()
+    if getattr(layer, "window", None) is not None:
+        out.add("sliding_window")
+    if getattr(layer, "alibi_slopes", None) is not None:
+        out.add("alibi")
+    if getattr(layer, "sinks", None) is not None:
+        out.add("sinks")
+    if getattr(layer, "softcap", None) is not None:
+        out.add("softcap")
+    if getattr(layer, "streaming", None) is not None:
+        out.add("streaming")
+    return frozenset(out)
+
+
+def tensor_problem(q: torch.Tensor, cache: torch.Tensor | None = None, **fields: Any) -> KernelProblem:
+    """A kernel problem from the tensors of a call: the device and dtype of ``q``, the dtype
+    ("fp8" for float8 or uint8 byte rows) and page size of ``cache`` [num_blocks, block_size, ...],
+    and the given fields (the plan builds the same record from the layer's spec)."""
+    import torch
+
+    device = q.device
+    if device.type == "cuda":
+        name = "rocm" if torch.version.hip else "cuda"
+        capability = torch.cuda.get_device_capability(device)
+    else:
+        name, capability = device.type, None
+    if cache is not None:
+        fields.setdefault("cache_dtype", _dtype_name(cache.dtype))
+        fields.setdefault("block_size", cache.shape[1])
+    return KernelProblem(platform=name, capability=capability, dtype=_dtype_name(q.dtype), **fields)
+
+
 class Backend(ABC):
-    """What every backend of a KV cache group provides: metadata per step, and graph hooks.
+    """What every backend of a KV cache group provides: metadata per step, graph hooks, and the
+    kernel variant of each operation it launches.
 
     Subclasses set ``name``; their capabilities are the registry entry of that name.
     """
@@ -94,8 +142,39 @@ class Backend(ABC):
     # the decode forward can be captured in a CUDA graph (see the module docstring)
     cuda_graph_safe: ClassVar[bool] = False
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, kernels: Mapping[str, str] | None = None):
+        """Args:
+            block_size: tokens a page.
+            kernels: operation -> the variant's name, as the plan chose it for this group; an
+                operation left out is picked on its first call (``kernel``).
+        """
         self.block_size = block_size
+        self.kernels: dict[str, str] = dict(kernels or {})
+        self._variants: dict[str, KernelVariant] = {}
+        self._launches: dict[str, Callable[..., Any]] = {}
+
+    def kernel(self, op: str, problem: Callable[[], KernelProblem]) -> KernelVariant:
+        """The variant this backend runs ``op`` with: the plan's choice, or, for a backend built
+        without one, the table's pick for ``problem()`` (called once; the variant is prepared)."""
+        variant = self._variants.get(op)
+        if variant is None:
+            name = self.kernels.get(op)
+            if name is None:
+                name = kernels.pick_prepared(op, problem(), self.name).variant
+                self.kernels[op] = name
+            variant = kernels.get_variant(op, name)
+            if self.name not in variant.launched_by:
+                raise kernels.KernelError(f"{self.name} does not launch {variant.key} (its launchers: "
+                                          f"{', '.join(sorted(variant.launched_by))})")
+            self._variants[op] = variant
+        return variant
+
+    def launch(self, op: str, problem: Callable[[], KernelProblem]) -> Callable[..., Any]:
+        """The launch function of ``kernel(op, problem)``, imported once."""
+        fn = self._launches.get(op)
+        if fn is None:
+            fn = self._launches[op] = self.kernel(op, problem).load()
+        return fn
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata, group_id: int) -> Any:

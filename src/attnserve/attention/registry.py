@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 
 from attnserve import env
 from attnserve.arch import LayerKind
@@ -46,6 +46,17 @@ class BackendEntry:
     capabilities: Capabilities
     impl: str | None  # "module:Class"; a module that does not exist yet means "not implemented"
     description: str = ""
+    # the kernel operations (attention/kernels.py) a step of each kind launches: "decode" and
+    # "prefill"; a mixed step launches both lists
+    operations: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def operations_for(self, step_kind: str) -> tuple[str, ...]:
+        """The operations a step of ``step_kind`` (decode, prefill, mixed) launches, in order."""
+        if step_kind == "mixed":
+            return tuple(dict.fromkeys((*self.operations.get("decode", ()), *self.operations.get("prefill", ()))))
+        if step_kind not in ("decode", "prefill"):
+            raise ValueError(f"step kind must be decode, prefill or mixed, got {step_kind!r}")
+        return tuple(self.operations.get(step_kind, ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,81 +203,110 @@ _ANY = {"cpu": None, "cuda": None, "rocm": None}
 _GPU = {"cuda": (8, 0), "rocm": None}
 
 
-def _entry(name: str, impl: str | None, description: str, **caps) -> BackendEntry:
-    return BackendEntry(name=name, impl=impl, description=description, capabilities=Capabilities(**caps))
+def _entry(name: str, impl: str | None, description: str, ops: Mapping[str, tuple[str, ...]] | None = None,
+           **caps) -> BackendEntry:
+    return BackendEntry(name=name, impl=impl, description=description, capabilities=Capabilities(**caps),
+                        operations=ops or {})
+
+
+def _ops(decode: tuple[str, ...], prefill: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    return {"decode": decode, "prefill": prefill}
+
+
+_ATTN_OPS = _ops(("attention.decode",), ("attention.prefill",))
+_SPARSE_OPS = _ops(("indexer.decode", "indexer.topk_decode", "mla.sparse"),
+                   ("indexer.prefill", "indexer.topk_prefill", "mla.sparse"))
+
+
+def _state_ops(mech: str) -> dict[str, tuple[str, ...]]:
+    return _ops((f"{mech}.decode",), (f"{mech}.prefill",))
 
 
 for _e in (
     _entry("TORCH_SDPA", "attnserve.attention.backends.torch_sdpa:TorchSDPABackend",
-           "PyTorch over the paged cache (gather, then scaled_dot_product_attention); any device",
-           layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY,
+           "PyTorch over the paged cache: decodes by the C++ CPU extension where it takes them, else in "
+           "length buckets through SDPA; prefills one request at a time through SDPA; any device",
+           _ATTN_OPS, layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY,
            features=_ALL_FEATURES | {"streaming"}),
-    _entry("FLEX_ATTENTION", "attnserve.attention.backends.flex:FlexAttentionBackend", "torch FlexAttention over the paged cache",
+    _entry("FLEX_ATTENTION", "attnserve.attention.backends.flex:FlexAttentionBackend",
+           "torch FlexAttention over the paged cache, one request at a time", _ATTN_OPS,
            layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY,
            features=_ALL_FEATURES),
-    _entry("TRITON_ATTN", "attnserve.attention.backends.triton_attn:TritonAttentionBackend", "Triton paged prefill and split-KV decode",
+    _entry("TRITON_ATTN", "attnserve.attention.backends.triton_attn:TritonAttentionBackend",
+           "Triton split-KV decode and tiled prefill over the paged cache, K/V written with RoPE fused; "
+           "on Hopper the plain causal bf16/fp16 prefill at head 128 by a Gluon kernel", _ATTN_OPS,
            layer_kinds=_STANDARD, dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_GPU,
            features=_ALL_FEATURES, requires=("triton",)),
-    _entry("FLASH_ATTN", None, "FlashAttention 2/3 (library)",
+    _entry("FLASH_ATTN", None, "FlashAttention 2/3 (library)", None,
            layer_kinds=_STANDARD, dtypes=_HALF, kv_cache_dtypes=_HALF, platforms={"cuda": (8, 0)},
            features=frozenset({"sliding_window", "alibi", "softcap"}), block_size_multiple=16,
            head_sizes=frozenset(range(8, 257, 8)), requires=("flash_attn",)),
-    _entry("FLASHINFER", None, "FlashInfer paged attention (library)",
+    _entry("FLASHINFER", None, "FlashInfer paged attention (library)", None,
            layer_kinds=_STANDARD, dtypes=_HALF, kv_cache_dtypes=_HALF | {"fp8"}, platforms={"cuda": (8, 0)},
            features=frozenset({"sliding_window", "softcap", "sinks"}),
            head_sizes=frozenset({64, 128, 256}), requires=("flashinfer",)),
     _entry("TORCH_MLA", "attnserve.attention.backends.torch_mla:TorchMLABackend",
-           "MLA in PyTorch: expanded prefill, absorbed (MQA over latent rows) decode",
+           "MLA in PyTorch: decodes absorbed (MQA over the latent rows), prefills expanded through kv_b_proj",
+           _ops(("mla.absorbed",), ("mla.expanded",)),
            layer_kinds=frozenset({LayerKind.MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_ANY),
-    _entry("TRITON_MLA", "attnserve.attention.backends.triton_mla:TritonMLABackend", "Triton absorbed MLA (decodes, short prefills) over the paged latent cache",
+    _entry("TRITON_MLA", "attnserve.attention.backends.triton_mla:TritonMLABackend",
+           "MLA: decodes and prefills of up to 128 new tokens absorbed in one launch (Triton, by TMA tiles "
+           "from Hopper on, or on Hopper the DeepSeek shape by a Gluon kernel); longer prefills expanded in "
+           "PyTorch", _ops(("mla.absorbed",), ("mla.absorbed", "mla.expanded")),
            layer_kinds=frozenset({LayerKind.MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_GPU, requires=("triton",)),
-    _entry("FLASHMLA", None, "FlashMLA dense decode (library, Hopper)",
+    _entry("FLASHMLA", None, "FlashMLA dense decode (library, Hopper)", None,
            layer_kinds=frozenset({LayerKind.MLA}), dtypes=_HALF, kv_cache_dtypes=_HALF | {"fp8"},
            platforms={"cuda": (9, 0)}, block_size_multiple=64, requires=("flash_mla",)),
     _entry("TORCH_MLA_SPARSE", "attnserve.attention.backends.torch_mla_sparse:TorchMLASparseBackend",
-           "DSA in PyTorch: lightning indexer, top-k, MQA over the selected latent rows",
-           layer_kinds=frozenset({LayerKind.SPARSE_MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
-           platforms=_ANY),
-    _entry("TRITON_MLA_SPARSE", "attnserve.attention.backends.triton_mla_sparse:TritonMLASparseBackend", "Triton sparse MLA and indexer kernels",
+           "DSA in PyTorch: lightning indexer scores, torch.topk, MQA over the selected latent rows",
+           _SPARSE_OPS, layer_kinds=frozenset({LayerKind.SPARSE_MLA}), dtypes=_FLOAT,
+           kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY),
+    _entry("TRITON_MLA_SPARSE", "attnserve.attention.backends.triton_mla_sparse:TritonMLASparseBackend",
+           "DSA: Triton indexer scores (on Hopper fp8 decode scores by a Gluon kernel), radix top-k for "
+           "decodes and torch.topk for prefills, sparse MLA over the selected rows (on Hopper the DeepSeek "
+           "shape by Gluon kernels, bf16 or fp8 rows)", _SPARSE_OPS,
            layer_kinds=frozenset({LayerKind.SPARSE_MLA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_GPU, requires=("triton",)),
-    _entry("FLASHMLA_SPARSE", None, "FlashMLA sparse decode and prefill (library, Hopper)",
+    _entry("FLASHMLA_SPARSE", None, "FlashMLA sparse decode and prefill (library, Hopper)", None,
            layer_kinds=frozenset({LayerKind.SPARSE_MLA}), dtypes=_HALF, kv_cache_dtypes=frozenset({"fp8"}),
            platforms={"cuda": (9, 0)}, block_size_multiple=64, requires=("flash_mla",)),
     _entry("TORCH_GDN", "attnserve.attention.state.torch_backends:TorchGDNBackend",
-           "Gated DeltaNet in PyTorch: chunked prefill, recurrent decode",
+           "Gated DeltaNet in PyTorch: chunked prefill, recurrent decode, short conv", _state_ops("gdn"),
            layer_kinds=frozenset({LayerKind.GDN}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_ANY),
     _entry("TRITON_GDN", "attnserve.attention.state.triton_backends:TritonGDNBackend",
-           "Gated DeltaNet: Triton recurrent decode step and short conv; chunked prefill in PyTorch",
+           "Gated DeltaNet in Triton: fused recurrent decode step, chunk-wise (WY) prefill in two launches, "
+           "short conv", _state_ops("gdn"),
            layer_kinds=frozenset({LayerKind.GDN}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_GPU, requires=("triton",)),
     _entry("TORCH_MAMBA", "attnserve.attention.state.torch_backends:TorchMambaBackend",
-           "Mamba selective scan in PyTorch", layer_kinds=frozenset({LayerKind.MAMBA}), dtypes=_FLOAT,
-           kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY),
+           "Mamba selective scan in PyTorch", _state_ops("mamba"), layer_kinds=frozenset({LayerKind.MAMBA}),
+           dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY),
     _entry("TRITON_MAMBA", "attnserve.attention.state.triton_backends:TritonMambaBackend",
-           "Mamba selective scan: Triton prefill scan, recurrent decode step and short conv",
+           "Mamba selective scan in Triton: prefill scan, recurrent decode step, short conv", _state_ops("mamba"),
            layer_kinds=frozenset({LayerKind.MAMBA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_GPU, requires=("triton",)),
     _entry("TORCH_LIGHTNING", "attnserve.attention.state.torch_backends:TorchLightningBackend",
-           "lightning attention in PyTorch: block prefill, recurrent decode",
+           "lightning attention in PyTorch: block prefill, recurrent decode", _state_ops("lightning"),
            layer_kinds=frozenset({LayerKind.LIGHTNING}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_ANY),
     _entry("TRITON_LIGHTNING", "attnserve.attention.state.triton_backends:TritonLightningBackend",
-           "lightning attention: Triton block prefill and recurrent decode step",
+           "lightning attention in Triton: block prefill and recurrent decode step", _state_ops("lightning"),
            layer_kinds=frozenset({LayerKind.LIGHTNING}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_GPU, requires=("triton",)),
     _entry("TORCH_KDA", "attnserve.attention.state.torch_backends:TorchKDABackend",
-           "Kimi delta attention in PyTorch", layer_kinds=frozenset({LayerKind.KDA}), dtypes=_FLOAT,
-           kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY),
+           "Kimi delta attention in PyTorch", _state_ops("kda"), layer_kinds=frozenset({LayerKind.KDA}),
+           dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"}, platforms=_ANY),
     _entry("TRITON_KDA", "attnserve.attention.state.triton_backends:TritonKDABackend",
-           "Kimi delta attention: Triton recurrent decode step and short convs; chunked prefill in PyTorch",
+           "Kimi delta attention in Triton: fused recurrent decode step, chunk-wise prefill with per-channel "
+           "decay, short convs", _state_ops("kda"),
            layer_kinds=frozenset({LayerKind.KDA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT | {"fp8"},
            platforms=_GPU, requires=("triton",)),
     _entry("TORCH_NSA", "attnserve.attention.backends.torch_nsa:TorchNSABackend",
            "NSA in PyTorch: compressed, selected-block and sliding-window branches over the paged K/V",
+           _ops(("nsa.attention",), ("nsa.attention",)),
            layer_kinds=frozenset({LayerKind.NSA}), dtypes=_FLOAT, kv_cache_dtypes=_FLOAT, platforms=_ANY),
 ):
     register(_e)

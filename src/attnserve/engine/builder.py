@@ -19,10 +19,11 @@ import torch
 from attnserve import env
 from attnserve.arch import ModelArch, load_hf_config, read_arch
 from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.kernels import model_kernels
 from attnserve.attention.registry import load_backend
 from attnserve.config import EngineConfig
 from attnserve.engine.batch_limits import BatchLimits, resolve_batch_limits
-from attnserve.engine.plan import EnginePlan, plan_engine, with_block_size
+from attnserve.engine.plan import EnginePlan, plan_engine, prepare_kernels, with_block_size
 from attnserve.engine.profile_run import profile_step
 from attnserve.engine.tensor_parallel import WorkerGroup, receive_config
 from attnserve.kvcache.groups import KVCacheGroup
@@ -34,7 +35,6 @@ from attnserve.layers.moe import FusedExperts
 from attnserve.models.quantized import QuantScheme, dequantized_weights
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import check_finite_weights, dummy_init, iter_safetensors
-from attnserve.ops import cpu_paged_decode
 from attnserve.platforms import Platform, current_platform, get_platform
 from attnserve.runner.cache_allocation import (
     allocate_kv_cache,
@@ -58,7 +58,7 @@ from attnserve.runner.parallel import (
 )
 from attnserve.runner.worker import serve_steps, step_group
 
-__all__ = ["EngineParts", "build_engine_parts", "resolve_model_dir"]
+__all__ = ["EngineParts", "build_engine_parts", "model_identity", "resolve_model_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ _PROFILED_DEVICES = ("cuda",)  # the profiling pass runs where memory is sized b
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _model_identity(config: EngineConfig, model_dir: Path, block_size: int, blob: int) -> str:
+def model_identity(config: EngineConfig, model_dir: Path, block_size: int, blob: int) -> str:
     """What must agree for two engines to share disk tier blocks: the model (its resolved
     directory, where a hub id's snapshot path names its commit, and the name, size and time of
     each file in it, so weights replaced in place are another model; the seed of random
@@ -101,7 +101,7 @@ def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dic
         if not off.kv_offloading_dir:
             raise ValueError("kv_offloading_backend 'disk' needs kv_offloading_dir, the directory to keep blocks in")
         tier = DiskTier(capacity, blob, off.kv_offloading_dir, pin_memory=device.type == "cuda",
-                        namespace=_model_identity(config, model_dir, groups[0].block_size, blob))
+                        namespace=model_identity(config, model_dir, groups[0].block_size, blob))
     else:
         tier = HostTier(capacity, blob, pin_memory=device.type == "cuda")
     manager = OffloadManager(tier, len(groups), groups[0].block_size, has_state=bool(state_caches),
@@ -218,7 +218,7 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     device, platform = _device_and_platform(config)
     config = with_block_size(config, arch, platform)  # every later reader sees the resolved size
     # each rank caches its own heads (tensor parallelism); the pool has as many blocks on every rank
-    plan = plan_engine(arch, config, platform)
+    plan = prepare_kernels(plan_engine(arch, config, platform), config)  # the CPU extension builds here
     max_len = plan.max_model_len
     # every rank resolves the limits the same way (the same defaults; the caps agree by min_over_ranks)
     limits = resolve_batch_limits(config.scheduler, device.type, _device_memory(device), config.usage_context,
@@ -231,14 +231,15 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     tokenizer = load_tokenizer(tokenizer_dir)
     groups = list(plan.layout.groups)  # the paged groups; state layers get slots instead
     backend_names = plan.backend_names  # raises when a group has no backend, or needs several
-    backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size) for n in backend_names]
+    # each with the kernel variants the plan chose for its group (raises when an operation has none)
+    backends: list[AttentionBackend] = [load_backend(n)(config.cache.block_size, g.kernel_names())
+                                        for n, g in zip(backend_names, plan.groups)]
     host_latents = plan_host_latents(config, arch, plan.layout, max_len,
                                      config.scheduler.max_num_seqs)  # None unless kv_offload_sparse_latents
     backends = wrap_backends(host_latents, groups, backends, device)
-    if device.type == "cpu" and "TORCH_SDPA" in backend_names:
-        cpu_paged_decode.available()  # built (once, then cached) here, not in a user's first decode step
 
-    model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[plan.dtype])
+    with model_kernels(plan.model_kernel_names()):  # the dense and MoE layers read their variants
+        model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[plan.dtype])
     if parallel is not None:  # every rank loaded the whole checkpoint: keep this rank's shard
         shard_model(model, parallel)
     num_blocks, state_pool, limits = _size_cache(plan, config, limits, model, backends, device, parallel,

@@ -118,8 +118,8 @@ class LLMEngine:
 
     def startup_summary(self) -> list[str]:
         """What the engine runs with, as ``serve`` and ``generate`` log it at start: the model,
-        dtypes and device, each cache group's backend, the KV blocks and tokens that fit, the
-        batch limits."""
+        dtypes and device, each cache group's backend and kernel variants, the KV blocks and
+        tokens that fit, the batch limits."""
         parts, cfg, plan = self.parts, self.config, self.parts.plan
         a = self.arch
         tp = f", tensor parallel {cfg.parallel.tensor_parallel_size}" if cfg.parallel.tensor_parallel_size > 1 else ""
@@ -132,8 +132,9 @@ class LLMEngine:
             window = f" {g.group.window}" if g.group.window else ""
             span = (f"layer {layers[0]}" if len(layers) == 1 else "layers " + ", ".join(map(str, layers))
                     if len(layers) <= 4 else f"layers {layers[0]}..{layers[-1]}")
+            kernels = ", ".join(f"{op} {c.variant}" for op, c in g.kernel_choices.items())
             lines.append(f"cache group {g.group.group_id} ({g.group.policy.value}{window}): {len(layers)} {kinds} "
-                         f"layers ({span}): backend {g.backend.name}")
+                         f"layers ({span}): backend {g.backend.name}" + (f"; kernels {kernels}" if kernels else ""))
         kv, block = self.kv_manager, cfg.cache.block_size
         usable = kv.pool.num_blocks - 1  # block 0 is the null block
         lo, hi = 0, usable * block  # the longest sequence the pool holds (windows applied)

@@ -64,6 +64,9 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
                         "it does not fit); default: the platform's first choice per group")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV cache block (default: 64 for MLA models on CUDA, else 16)")
+    p.add_argument("--disabled-kernels", default="", metavar="NAME[,NAME...]",
+                   help="kernel variants the engine would not run (gluon, cpu_ext, mla.absorbed/gluon, "
+                        "...): the report shows what runs instead")
     p.add_argument("--memory", type=float, default=None, metavar="GiB",
                    help="a KV cache budget: how many tokens and sequences it holds (default: not asked)")
     p.add_argument("--device-memory", "--gpu-memory", dest="device_memory", default=None, metavar="SIZE",
@@ -101,7 +104,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
                           max_model_len=args.max_model_len, block_size=args.block_size,
                           use_mla=not env.mla_disabled(), tensor_parallel_size=args.tensor_parallel_size,
                           device_memory_gib=device_gib, gpu_memory_utilization=args.gpu_memory_utilization,
-                          revision=args.revision)
+                          revision=args.revision, disabled_kernels=args.disabled_kernels)
     print(dumps(report) if args.json else report.render())
     if args.plot:
         plot_kv_memory(report, args.plot)

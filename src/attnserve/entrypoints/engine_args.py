@@ -53,6 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the attention backend of every layer group, e.g. TRITON_ATTN, TORCH_SDPA, "
                         "TRITON_MLA (default: the platform's first choice per group, as `attnserve "
                         "inspect` shows it)")
+    g.add_argument("--disabled-kernels", default=None, metavar="NAME[,NAME...]",
+                   help="kernel variants not to run, by name (gluon, cpu_ext, triton_tma, ...), "
+                        "operation/name (mla.absorbed/gluon) or technology (gluon, triton, cpu_ext); "
+                        "the next variant of each operation runs instead, as `attnserve inspect` "
+                        "shows (default: none)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="the KV cache's element type: auto (the model's dtype), fp8, bfloat16, "
                         "float16 or float32")
@@ -124,7 +129,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "where the model allows it)")
 
 
-_ENGINE_KEYS = ("tokenizer", "revision", "attention_backend", "kv_cache_dtype", "block_size", "max_model_len",
+_ENGINE_KEYS = ("tokenizer", "revision", "attention_backend", "disabled_kernels", "kv_cache_dtype", "block_size", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory",
                 "num_gpu_blocks_override", "enable_prefix_caching", "load_format", "dtype", "max_logprobs",
                 "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir",

@@ -1,9 +1,10 @@
 """``attnserve inspect``: a model's mechanism, KV memory and backend choice, without weights.
 
 Reads the ``config.json``, asks ``engine/plan.py`` for the engine's plan (the cache groups, the
-backend of every layer with the reasons for the ones passed over, the bytes per token and per
-sequence) and renders it as a table, as JSON, or as a plot of KV memory against context
-length. It groups nothing and selects no backend itself: what it shows is what the engine
+backend of every layer with the reasons for the ones passed over, the kernel variant of every
+operation a decode, prefill or mixed step launches with the reasons for the ones passed over,
+the bytes per token and per sequence) and renders it as a table, as JSON, or as a plot of KV
+memory against context length. It groups nothing and selects no backend itself: what it shows is what the engine
 builds with the same options on the same platform. Two memory questions: ``--memory GiB`` (a
 KV-cache budget: how many tokens and sequences it holds) and ``--device-memory GiB`` (a whole
 device: its ``gpu_memory_utilization`` share less the weights, computed from the config with
@@ -27,7 +28,7 @@ from attnserve.presets import resolve_config_path
 if TYPE_CHECKING:
     from attnserve.entrypoints.weight_footprint import WeightFootprint
 
-__all__ = ["DeviceFit", "InspectReport", "LayerGroupRow", "build_report", "parse_gib", "plot_kv_memory"]
+__all__ = ["DeviceFit", "InspectReport", "KernelRow", "LayerGroupRow", "build_report", "parse_gib", "plot_kv_memory"]
 
 GIB = 1024**3
 
@@ -44,6 +45,25 @@ class LayerGroupRow:
     backend: str
     passed_over: tuple[tuple[str, tuple[str, ...]], ...]
     offload: str
+
+
+@dataclass(frozen=True, slots=True)
+class KernelRow:
+    """The kernel choices of one backend over some layers (or of the model's own operations)."""
+
+    kind: str  # a layer kind, or "model"
+    layer_ids: tuple[int, ...]
+    backend: str  # or "model"
+    # (operation, chosen variant, the step kinds that launch it, passed over: (name, reasons)...)
+    choices: tuple[tuple[str, str, tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...]], ...]
+    errors: tuple[str, ...] = ()  # operations no variant serves
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "layers": list(self.layer_ids), "backend": self.backend,
+                "operations": [{"op": op, "variant": variant, "steps": list(steps),
+                                "passed_over": {n: list(rs) for n, rs in passed}}
+                               for op, variant, steps, passed in self.choices],
+                "errors": list(self.errors)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +112,8 @@ class InspectReport:
     # the batch limits' platform defaults, per usage context (and per GPU class when the GPU's
     # memory is unknown), as the engine resolves them (engine/batch_limits.py)
     batch_limits: list[tuple[str, BatchLimits]] = field(default_factory=list)
+    kernels: list[KernelRow] = field(default_factory=list)  # per backend and layers, then the model's
+    disabled_kernels: tuple[str, ...] = ()
 
     def tokens_in(self, kv_bytes: int) -> int:
         """Tokens whose KV fits in ``kv_bytes`` (sliding layers at their full rate, no state)."""
@@ -158,6 +180,8 @@ class InspectReport:
                 for r in self.rows
             ],
             "offloadable": sorted({r.kind for r in self.rows}),
+            "kernels": [k.to_json() for k in self.kernels],
+            "disabled_kernels": list(self.disabled_kernels),
             "batch_limits": [{"usage_context": usage, "max_num_seqs": b.max_num_seqs,
                               "max_num_batched_tokens": b.max_num_batched_tokens,
                               "max_num_seqs_reason": b.seqs_reason, "max_num_batched_tokens_reason": b.tokens_reason}
@@ -270,6 +294,15 @@ class InspectReport:
             why = "; ".join(f"{n}: {', '.join(rs)}" for n, rs in r.passed_over)
             lines.append(f"  {r.kind}: {r.backend}" + (f"  (passed over {why})" if why else
                                                           "  (first choice on this platform)"))
+        lines += ["", "Kernels (each operation's variant and the steps that launch it; --disabled-kernels "
+                      "turns a variant off):"]
+        for k in self.kernels:
+            layers = f" ({_layer_span(k.layer_ids)})" if k.layer_ids else ""
+            lines.append(f"  {k.kind}{layers}, {k.backend}:" if k.backend != "model" else "  the model's own layers:")
+            for op, variant, steps, passed in k.choices:
+                why = "; ".join(f"{n}: {', '.join(rs)}" for n, rs in passed)
+                lines.append(f"    {op} -> {variant} [{', '.join(steps)}]" + (f"  (passed over {why})" if why else ""))
+            lines += [f"    error: {e}" for e in k.errors]
         if self.batch_limits:
             lines += ["", "Batch limits (--max-num-seqs, --max-num-batched-tokens override them; the engine caps a "
                           "default max_num_seqs by its state slots and KV blocks, and logs it):"]
@@ -279,6 +312,44 @@ class InspectReport:
             lines.append(f"  {r.kind}: {r.offload}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _layer_span(ids: tuple[int, ...]) -> str:
+    if len(ids) == 1:
+        return f"layer {ids[0]}"
+    if list(ids) == list(range(ids[0], ids[-1] + 1)):
+        return f"layers {ids[0]}-{ids[-1]}"
+    return f"{len(ids)} layers"
+
+
+def _kernel_choices(steps) -> tuple[tuple, tuple[str, ...]]:
+    """(operation, variant, step kinds, passed over) per operation, and the errors."""
+    order: dict[str, list] = {}
+    errors = []
+    for kind, choices in steps:
+        for c in choices:
+            if c.op not in order:
+                order[c.op] = [c, []]
+                if c.error:
+                    errors.append(c.error)
+            order[c.op][1].append(kind)
+    return tuple((op, c.variant, tuple(kinds), c.passed_over) for op, (c, kinds) in order.items()), tuple(errors)
+
+
+def _kernel_rows(plan: EnginePlan) -> list[KernelRow]:
+    """The plan's kernel choices: one row per layer kind, backend and choices, then the model's."""
+    keyed: dict[tuple, list[int]] = {}
+    for g in plan.groups:
+        if not g.kernels:
+            continue
+        layers = sorted({e.layer for e in g.group.entries})
+        kind = plan.rank_arch.layers[layers[0]].kind.value
+        choices, errors = _kernel_choices(g.kernels)
+        keyed.setdefault((kind, g.choices[0].name, choices, errors), []).extend(layers)
+    rows = [KernelRow(kind, tuple(sorted(set(ids))), backend, choices, errors)
+            for (kind, backend, choices, errors), ids in keyed.items()]
+    choices, errors = _kernel_choices(plan.model_kernels)
+    return rows + [KernelRow("model", (), "model", choices, errors)]
 
 
 def _num(n: int) -> str:
@@ -376,7 +447,8 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
                  attention_backend: str | None = None, memory_gib: float | None = None,
                  max_model_len: int | None = None, block_size: int | None = None, use_mla: bool = True,
                  tensor_parallel_size: int = 1, device_memory_gib: float | None = None,
-                 gpu_memory_utilization: float = 0.9, revision: str | None = None) -> InspectReport:
+                 gpu_memory_utilization: float = 0.9, revision: str | None = None,
+                 disabled_kernels: tuple[str, ...] | str = ()) -> InspectReport:
     """The engine's plan for ``model`` with these options, ready to render.
 
     ``device_memory_gib``: also answer for a whole device of that size: its
@@ -385,14 +457,16 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
 
     Raises BackendSelectionError when ``attention_backend`` does not fit, with every reason of
     every layer, and ValueError when the heads do not split over ``tensor_parallel_size`` ranks
-    (whose per-rank KV bytes, state and sequences the report then gives)."""
+    (whose per-rank KV bytes, state and sequences the report then gives) or a
+    ``disabled_kernels`` entry names no kernel variant."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     path, hub = _config_path(model, revision)
     arch = read_arch(load_hf_config(path), use_mla=use_mla)
     config = EngineConfig.from_kwargs(
         str(path.parent), dtype=dtype, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
-        max_model_len=max_model_len or None, block_size=block_size, tensor_parallel_size=tensor_parallel_size)
+        max_model_len=max_model_len or None, block_size=block_size, tensor_parallel_size=tensor_parallel_size,
+        disabled_kernels=disabled_kernels)
     plan = plan_engine(arch, config, platform)
     plan.check_forced()
     notes = _notes(arch, use_mla)
@@ -406,7 +480,8 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
         tensor_parallel_size=plan.tensor_parallel_size,
         host_latent_bytes_per_token=plan.host_latent_bytes_per_token,
         device=_device_fit(arch, plan, device_memory_gib, gpu_memory_utilization, notes),
-        batch_limits=_batch_limits(platform, device_memory_gib, plan.max_model_len))
+        batch_limits=_batch_limits(platform, device_memory_gib, plan.max_model_len),
+        kernels=_kernel_rows(plan), disabled_kernels=config.cache.disabled_kernels)
 
 
 def _batch_limits(platform: Platform, device_memory_gib: float | None, max_model_len: int

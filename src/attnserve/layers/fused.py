@@ -1,6 +1,6 @@
 """Fused elementwise ops (RMSNorm + residual, RoPE, act-and-mul): dispatch and PyTorch twins.
 
-Each op runs the Triton kernel of ``ops/triton_fused.py`` on CUDA tensors when Triton
+Each op runs the Triton kernel of ``ops/dense/fused_triton.py`` on CUDA tensors when Triton
 is importable, and otherwise its PyTorch twin below, which is the arithmetic ``layers/norm.py``,
 ``layers/rotary.py`` and ``layers/activation.py`` always had (so CPU results are unchanged).
 ``override_impl`` forces one side, for tests (on CPU tensors the kernels then need
@@ -25,6 +25,7 @@ __all__ = [
     "FUSED_ACTS",
     "act_and_mul",
     "act_and_mul_ref",
+    "forced_impl",
     "override_impl",
     "rms_norm",
     "rms_norm_ref",
@@ -50,7 +51,7 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 def _kernels() -> ModuleType | None:
     """The Triton module, imported on first use; None where Triton is missing."""
     try:
-        from attnserve.ops import triton_fused
+        from attnserve.ops.dense import fused_triton as triton_fused
     except ImportError:
         return None
     return triton_fused
@@ -68,6 +69,11 @@ def override_impl(impl: str | None) -> Iterator[None]:
         yield
     finally:
         _override.reset(token)
+
+
+def forced_impl() -> str | None:
+    """The implementation ``override_impl`` forces in this context, or None."""
+    return _override.get()
 
 
 def uses_kernel(x: torch.Tensor) -> bool:

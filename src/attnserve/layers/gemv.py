@@ -8,12 +8,14 @@ before qkv and gate_up and the act-and-mul before down are kernels of their own.
   (the first layer passes no residual: ``layer(norm(x))``, x);
 - ``act_linear(gate_up, act, layer)``: ``layer(act(gate) * up)``.
 
-Each runs one small-M Triton kernel (``ops/triton_gemv.py``) where it applies: a CUDA tensor,
+Each runs one small-M Triton kernel (``ops/dense/gemv_triton.py``) where it applies: a CUDA tensor,
 Triton importable, 1 <= M <= ``MAX_M``, ``layer`` a plain dense ``nn.Linear`` (its forward is
 ``nn.Linear.forward``: the fused QKV and gate/up linears and column-parallel shards are;
 tensor parallelism's ``RowParallelLinear`` is not, nor anything quantised) in x's float dtype,
 an RMSNorm that is not zero-centred in that dtype, an activation with a fused form; and the
-caller's ``enabled`` (``env.small_m_gemv``, read when the model is built). Elsewhere the modules
+caller's ``enabled``, read when the model is built: the engine's plan chose the ``triton_gemv``
+variant of ``dense.small_m`` (``attention/kernels.py``; ``disabled_kernels=("triton_gemv",)``
+keeps the separate kernels and cuBLAS). Elsewhere the modules
 run exactly as before: the norm (its own fused kernel on CUDA), the gated activation, the
 linear (cuBLAS), so CPU results and the large-M path do not change. The decision depends only
 on shapes, dtypes and devices, so a CUDA graph captures the same kernels it replays.
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve import env
+from attnserve.attention import kernels
 from attnserve.layers.activation import fused_act_name, gated
 from attnserve.layers.fused import act_and_mul_ref, rms_norm_ref
 from attnserve.layers.norm import RMSNorm
@@ -67,15 +69,16 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnserv
 @functools.cache
 def _kernels() -> ModuleType | None:
     try:
-        from attnserve.ops import triton_gemv
+        from attnserve.ops.dense import gemv_triton as triton_gemv
     except ImportError:
         return None
     return triton_gemv
 
 
 def enabled() -> bool:
-    """Whether a model built now uses the kernels (``ATTNSERVE_SMALL_M_GEMV``, default on)."""
-    return env.small_m_gemv()
+    """Whether a model built now uses the kernels: unless the engine building it chose another
+    variant of ``dense.small_m`` (outside an engine's build: yes, where the device allows)."""
+    return kernels.model_kernel("dense.small_m") in (None, "triton_gemv")
 
 
 @contextlib.contextmanager

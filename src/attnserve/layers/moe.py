@@ -10,7 +10,7 @@ What this file is:
   ([gate | up] per expert) and ``w2`` [E, H, I], run as one grouped computation: token-expert
   pairs are sorted by expert and each expert's rows go through one matrix product. SwiGLU (or
   another gated activation) and GPT-OSS's clamped SwiGLU. On CUDA, SwiGLU and the clamped form
-  run two grouped Triton kernels with no host sync (``ops/triton_moe.py``) at every batch size,
+  run two grouped Triton kernels with no host sync (``ops/moe/experts_triton.py``) at every batch size,
   decode (CUDA-graphed) and prefill chunks alike, with tile sizes picked per batch.
 - ``GatedMLP`` (dense layers, shared experts), ``SparseMoE`` (router + experts: Mixtral,
   Qwen3-MoE, GPT-OSS) and ``DeepseekMoE`` (fp32 router with an optional correction bias,
@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.attention import kernels
 from attnserve.layers import gemv
 from attnserve.layers.activation import gated, get_act_fn
-from attnserve.layers.fused import uses_kernel
+from attnserve.layers.fused import forced_impl, uses_kernel
 from attnserve.layers.linear import MergedLinear, Target, gate_up_rename, prefixed
 
 if TYPE_CHECKING:
@@ -125,9 +126,9 @@ def _limit_to_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
 
 @functools.cache
 def _moe_kernels():
-    """``ops/triton_moe``, imported on first use; None where Triton is missing."""
+    """``ops/moe/experts_triton``, imported on first use; None where Triton is missing."""
     try:
-        from attnserve.ops import triton_moe
+        from attnserve.ops.moe import experts_triton as triton_moe
     except ImportError:
         return None
     return triton_moe
@@ -182,6 +183,9 @@ class FusedExperts(nn.Module):
             p.weight_loader = self._weight_loader
         self.act = get_act_fn(act)
         self.swiglu_limit = swiglu_limit
+        # the engine's choice of moe.experts variant (attention/kernels.py); None outside an
+        # engine's build: the kernels wherever Triton runs them
+        self.variant = kernels.model_kernel("moe.experts")
         self.swiglu_alpha = 1.702 if swiglu_alpha is None else swiglu_alpha
         # tensor parallelism (runner/parallel.py): this rank holds experts [first_expert,
         # first_expert + num_experts) and sums the ranks' partial outputs with ``all_reduce``
@@ -199,7 +203,7 @@ class FusedExperts(nn.Module):
     # --- compute --------------------------------------------------------------------------
     @property
     def kernel_act(self) -> str | None:
-        """The activation's name in ``ops/triton_moe.py``, None where the kernel lacks it."""
+        """The activation's name in ``ops/moe/experts_triton.py``, None where the kernel lacks it."""
         if self.swiglu_limit is not None:
             return "swiglu_clamped"
         return "silu" if self.act is F.silu else None
@@ -214,7 +218,7 @@ class FusedExperts(nn.Module):
         """x [T, H], topk_weights [T, k], topk_ids [T, k] -> sum_j w_j * expert_j(x), [T, H].
 
         On CUDA (or under ``override_impl("triton")``) the two grouped Triton kernels of
-        ``ops/triton_moe.py``; else ``_forward_torch``, their twin."""
+        ``ops/moe/experts_triton.py``; else ``_forward_torch``, their twin."""
         if self._use_kernel(x):
             acc = _moe_kernels().fused_experts(
                 x, self.w13, self.w2, topk_weights, topk_ids - self.first_expert, act=self.kernel_act,
@@ -229,6 +233,8 @@ class FusedExperts(nn.Module):
         """The kernels at every chunk size (decode batches and long prefill chunks alike: the
         kernels pick taller tiles for prefill), wherever Triton runs and has the activation.
         The loop, with its host sync and 2E launches, is the CPU path and the kernels' twin."""
+        if self.variant == "torch" and forced_impl() is None:
+            return False
         return uses_kernel(x) and self.kernel_act is not None and _moe_kernels() is not None
 
     def _forward_torch(

@@ -27,7 +27,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from attnserve import env
 from attnserve.arch import ModelArch
 from attnserve.attention.backend import Backend
 from attnserve.attention.metadata import CommonAttentionMetadata
@@ -107,7 +106,6 @@ class ModelRunner:
         self.block_size = groups[0].block_size
         self.block_tables = BlockTables([g.policy is CachePolicy.FULL for g in groups], num_rows=max_num_seqs)
         self.sampler = Sampler()
-        self._decodes_by_length = env.decodes_by_length()
         self.device_wait_seconds = 0.0  # time ``collect`` blocked on the device (the host ran ahead)
         for m in model.modules():  # RoPE tables sized once: no per-step host syncs
             if isinstance(m, RotaryEmbedding):
@@ -219,11 +217,9 @@ class ModelRunner:
         # decodes first (those with history before one-token prompts): backends batch them;
         # among them the shortest context first: the paged decode kernel starts the last (the
         # longest) first, and the short ones fill the end of its launch
-        if self._decodes_by_length:
-            scheduled = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start == 0,
-                                                                s.start if s.num_new_tokens == 1 else 0))
-        else:
-            scheduled = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start == 0))
+        # (nano-vllm workload on the H200: measured in docs/performance.md)
+        scheduled = sorted(output.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start == 0,
+                                                            s.start if s.num_new_tokens == 1 else 0))
         self._copy_states(output.state_copies)  # snapshot saves and restores first,
         if output.offload is not None:  # then tier stores (read) and loads (write)
             self.offload_io.run(self.offload, *output.offload, written_blocks(scheduled, self.block_size))

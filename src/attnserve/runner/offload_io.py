@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ from attnserve.kvcache.state import StateCache
 if TYPE_CHECKING:
     from attnserve.core.step import ScheduledRequest
 
-__all__ = ["OffloadIO", "written_blocks"]
+__all__ = ["OffloadIO", "Transfer", "fence_for", "written_blocks"]
 
 
 def _pages(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ def written_blocks(scheduled: list[ScheduledRequest], block_size: int) -> set[tu
 
 
 @dataclass(slots=True)
-class _Transfer:
+class Transfer:
     """One step's copies; on CUDA, issued on the side stream and finished when ``done`` fires."""
 
     stores: list[tuple[tuple, int]] = field(default_factory=list)  # (key, bytes)
@@ -89,6 +90,15 @@ class _Transfer:
     reads_state: bool = False
     events: tuple = ()  # CUDA: (start, stores issued, done)
     seconds: tuple[float, float] = (0.0, 0.0)  # CPU: (stores, loads)
+
+
+def fence_for(inflight: Sequence[Transfer], writes: set[tuple[int, int]]) -> Transfer | None:
+    """Of the transfers in flight (oldest first), the last one the coming forward must wait for:
+    it loads (the forward reads them), reads state snapshots, or reads a block in ``writes``
+    (``written_blocks``); None if none does. The side stream runs in order, so waiting for it
+    waits for every transfer before it too."""
+    return next((t for t in reversed(inflight)
+                 if t.loads or t.reads_state or not t.reads.isdisjoint(writes)), None)
 
 
 class OffloadIO:
@@ -106,7 +116,7 @@ class OffloadIO:
         self.device = device or torch.device("cpu")
         self.chunk_bytes = chunk_bytes
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._inflight: deque[_Transfer] = deque()
+        self._inflight: deque[Transfer] = deque()
 
     def block_bytes(self, group: int) -> int:
         return sum(p.shape[1] for p in self.layouts[group])
@@ -119,7 +129,7 @@ class OffloadIO:
             writes: set[tuple[int, int]] = frozenset()) -> None:
         """Issue this step's stores, then its loads; ``writes``: blocks the coming forward writes."""
         self.poll(manager)
-        t = _Transfer()
+        t = Transfer()
         if self.stream is None:
             self._issue(manager, t, stores, loads)
             self._finish(manager, t)
@@ -131,15 +141,9 @@ class OffloadIO:
             with torch.cuda.stream(self.stream):
                 self._issue(manager, t, stores, loads)
             self._inflight.append(t)
-        fence = self._fence(writes)
+        fence = fence_for(self._inflight, writes)
         if fence is not None:  # the side stream is in order: the last such event covers the rest
             compute.wait_event(fence.events[2])
-
-    def _fence(self, writes: set[tuple[int, int]]) -> _Transfer | None:
-        """The last transfer in flight the coming forward must wait for: it loads (the forward
-        reads them), reads state snapshots, or reads a block in ``writes``; None if none does."""
-        return next((t for t in reversed(self._inflight)
-                     if t.loads or t.reads_state or not t.reads.isdisjoint(writes)), None)
 
     def poll(self, manager: OffloadManager, wait: bool = False) -> None:
         """Complete the transfers whose copies are done (all of them, waiting, if ``wait``)."""
@@ -150,14 +154,14 @@ class OffloadIO:
             t.seconds = (start.elapsed_time(mid) / 1e3, mid.elapsed_time(done) / 1e3)
             self._finish(manager, t)
 
-    def _finish(self, manager: OffloadManager, t: _Transfer) -> None:
+    def _finish(self, manager: OffloadManager, t: Transfer) -> None:
         for key, nbytes in t.stores:
             manager.complete_store(key, nbytes)
         manager.stats.store_seconds += t.seconds[0]
         for job in t.loads:
             manager.complete_load(job, t.seconds[1] / len(t.loads))
 
-    def _issue(self, manager: OffloadManager, t: _Transfer, stores: StoreJob, loads: list[LoadJob]) -> None:
+    def _issue(self, manager: OffloadManager, t: Transfer, stores: StoreJob, loads: list[LoadJob]) -> None:
         clock = time.perf_counter()
         if t.events:
             t.events[0].record()
@@ -182,7 +186,7 @@ class OffloadIO:
         else:
             t.seconds = (mid - clock, time.perf_counter() - mid)
 
-    def _reserve(self, manager: OffloadManager, t: _Transfer, stores: StoreJob
+    def _reserve(self, manager: OffloadManager, t: Transfer, stores: StoreJob
                  ) -> dict[int, list[tuple[int, torch.Tensor]]]:
         """Tier buffers for the stores, by layout: (block id or slot, buffer); the tier skips what
         it has already and what it has no free or evictable slot for."""

@@ -72,6 +72,7 @@ class HostLatentSparseBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend, block_size: int, device: torch.device):
         self.inner = inner
         self.name = inner.name  # the arithmetic, and so the name, is the inner backend's
+        self.kernels = inner.kernels  # and so are its kernel variants
         self.block_size = block_size
         self.device = device
         self._pinned: torch.Tensor | None = None  # CUDA: reused host buffer of gathered rows

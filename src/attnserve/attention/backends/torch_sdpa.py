@@ -1,9 +1,10 @@
 """TORCH_SDPA: standard attention over the paged cache with PyTorch on any device.
 
-On an x86-64 CPU with AVX2, decodes of plain causal layers (no window, ALiBi, sinks or
-soft-capping; a float cache) go to a C++ kernel that reads the cache blocks in place
-(``ops/cpu_paged_decode.py``; ``ATTNSERVE_CPU_DECODE_KERNEL=0`` turns it off); the path below
-is its twin and serves every other case. Decodes are batched: sorted by context length and split into a few buckets (``split_decodes``:
+Decodes run one of two kernel variants of ``attention.decode`` (``attention/kernels.py``): on an
+x86-64 CPU with AVX2, decodes of plain causal layers (no window, ALiBi, sinks or soft-capping; a
+float cache) go to the ``cpu_ext`` C++ kernel that reads the cache blocks in place
+(``ops/cpu/paged_decode.py``; ``disabled_kernels=("cpu_ext",)`` turns it off); the ``torch`` path
+below is its twin and serves every other case. Decodes are batched: sorted by context length and split into a few buckets (``split_decodes``:
 fewer padded keys against one more call per layer), each bucket's K/V blocks gathered from the
 pages (whole blocks, contiguous copies) into one padded batch and attended in one call with a
 padding/window mask. The buckets, their block ids, key positions and masks are built once per
@@ -21,10 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backend import AttentionBackend, layer_features, tensor_problem
 from attnserve.attention.backends.streaming import attend_streaming
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.ops import cpu_paged_decode
 
 __all__ = ["TorchSDPABackend", "TorchSDPAMetadata", "attend"]
 
@@ -58,7 +58,6 @@ class TorchSDPAMetadata:
     decode_table: torch.Tensor | None = None  # [B_dec, W] int32 block table rows of the decodes
     decode_seq_lens: torch.Tensor | None = None  # [B_dec] int32
     decode_lens: list[int] | None = None  # the same on the host
-    decode_kernel: bool = False  # the CPU decode kernel may serve this step's plain layers
     # the bucketed path's split, built by the first layer that takes it (shared by the rest)
     decode_order: torch.Tensor | None = None  # [B_dec] decode rows sorted by length; None: as they are
     decode_buckets: list[DecodeBucket] | None = None
@@ -182,9 +181,8 @@ class TorchSDPABackend(AttentionBackend):
         # checked on the host only: on a GPU the check would wait for the stream every step, so
         # there the write keeps its mask
         all_valid = slots.device.type == "cpu" and bool((slots >= 0).all())
-        kernel = bool(nd) and slots.device.type == "cpu" and cpu_paged_decode.available()
         return TorchSDPAMetadata(slots, nd, dec_blocks, dec_qpos, prefills, all_valid, bt[:nd],
-                                 common.seq_lens[:nd].to(torch.int32).contiguous(), common.seq_lens_cpu[:nd], kernel)
+                                 common.seq_lens[:nd].to(torch.int32).contiguous(), common.seq_lens_cpu[:nd])
 
     def _decode_buckets(self, metadata: TorchSDPAMetadata) -> list[DecodeBucket]:
         """The step's decode buckets, built by the first layer that asks: decodes sorted by
@@ -250,9 +248,10 @@ class TorchSDPABackend(AttentionBackend):
         if getattr(layer, "streaming", None) is not None:
             return self._forward_streaming(layer, q, key_cache, value_cache, read, metadata, out)
         plain = layer.alibi_slopes is None and layer.sinks is None and layer.softcap is None
-        if nd and metadata.decode_kernel and not fp8 and cpu_paged_decode.supports(layer, q, key_cache, value_cache):
-            cpu_paged_decode.paged_decode(q[:nd], key_cache, value_cache, metadata.decode_table,
-                                          metadata.decode_seq_lens, layer.scale, out[:nd])
+        if nd and self.kernel("attention.decode", lambda: self._problem(layer, q, key_cache, value_cache)).name \
+                == "cpu_ext":
+            self.launch("attention.decode", None)(q[:nd], key_cache, value_cache, metadata.decode_table,
+                                                  metadata.decode_seq_lens, layer.scale, out[:nd])
         elif nd:
             self._decode(layer, q[:nd], out[:nd], key_cache, value_cache, read, metadata, plain)
         for start, end, context, seq_len, blocks in metadata.prefills:
@@ -268,6 +267,13 @@ class TorchSDPABackend(AttentionBackend):
                 o = attend(qi, keys, vals, dist, torch.ones_like(dist, dtype=torch.bool), layer)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _problem(layer, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
+        """The kernel problem of this layer's calls (what the plan builds from its spec)."""
+        return tensor_problem(q, key_cache, num_heads=q.shape[1], num_kv_heads=key_cache.shape[2],
+                              head_size=key_cache.shape[3], head_size_v=value_cache.shape[3],
+                              features=layer_features(layer))
 
     def _decode(self, layer, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 read, metadata: TorchSDPAMetadata, plain: bool) -> None:

@@ -2,11 +2,14 @@
 
 New K/V go into the cache with one kernel (with RoPE, and a q/k RMSNorm where the model has one,
 fused in when the layer leaves them to the backend: ``forward_rope``); decodes and prefills then
-run as two launches of ``unified_attention`` (decodes take the split-KV decode path and a merge
-launch; prefills the tiled one). On a Hopper GPU the prefill launch of plain causal bf16/fp16
-attention at head 128 goes to the Gluon kernel instead (``ops/gluon_attention``,
-``gluon_prefill_takes``; ``ATTNSERVE_GLUON=0`` keeps Triton). Every
-feature of the layer (window, ALiBi, sinks, soft-cap, fp8 cache) is a kernel argument. The
+run as two launches, of the variants the plan chose for ``attention.decode`` and
+``attention.prefill`` (``attention/kernels.py``): Triton's ``unified_attention`` (decodes take
+its split-KV decode path and a merge launch; prefills the tiled one), and on a Hopper GPU, for
+plain causal bf16/fp16 attention at head 128, the Gluon prefill kernel
+(``ops/attention/prefill_gluon``; ``disabled_kernels=("gluon",)`` keeps Triton). A prefill part
+whose requests all have one new token launches the decode variant. Both variants take
+``unified_attention``'s call: every feature of the layer (window, ALiBi, sinks, soft-cap, fp8
+cache) is a kernel argument. The
 metadata holds device tensors and host-side bounds only, so a decode batch built over the graph
 runner's buffers can be captured in a CUDA graph (the contract's default hooks).
 """
@@ -18,11 +21,9 @@ from typing import ClassVar
 
 import torch
 
-from attnserve.attention.backend import AttentionBackend, RopeTable
+from attnserve.attention.backend import AttentionBackend, RopeTable, layer_features, tensor_problem
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.ops.gluon_attention import gluon_prefill_takes, launch_prefill
-from attnserve.ops.triton_kv_write import rope_write_kv_cache, write_kv_cache
-from attnserve.ops.triton_paged_attention import unified_attention
+from attnserve.ops.attention.kv_write_triton import rope_write_kv_cache, write_kv_cache
 
 __all__ = ["TritonAttentionBackend", "TritonAttentionMetadata", "TritonBatchPart"]
 
@@ -52,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
     # a decode batch's metadata only slices the common tensors; the split count follows from
     # the host bounds (batch, KV heads, max_seq_len), fixed at capture: the default graph hooks
     cuda_graph_safe = True
-    fuses_rope = True  # rotation and cache write in one kernel (ops/triton_kv_write.py)
+    fuses_rope = True  # rotation and cache write in one kernel (ops/attention/kv_write_triton.py)
     # how split-KV decode merges: "kernel" (a second launch) or "last_split" (the last split
     # program to finish merges, in the attention launch). The H200 measured the in-launch merge
     # 6-15 µs slower a layer call at batch 1-64 (benchmarks/gpu_small_kernels.py, 2026-12-02)
@@ -93,18 +94,18 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape[0], q.shape[1], value_cache.shape[-1], dtype=q.dtype, device=q.device)
         for part in metadata.parts:
             s, e = part.token_start, part.token_end
-            if part.max_query_len > 1 and gluon_prefill_takes(
-                q, key_cache, value_cache, window=layer.window, alibi=layer.alibi_slopes,
-                sinks=layer.sinks, softcap=layer.softcap, k_scale=layer.k_scale,
-                v_scale=layer.v_scale, max_query_len=part.max_query_len,
-            ):
-                launch_prefill(q[s:e], key_cache, value_cache, out[s:e], part.block_table,
-                               part.query_start_loc, part.seq_lens, layer.scale)
-                continue
-            unified_attention(q[s:e], key_cache, value_cache, out[s:e], part.block_table, part.query_start_loc,
-                              part.seq_lens, scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes,
-                              sinks=layer.sinks, softcap=layer.softcap, k_scale=layer.k_scale,
-                              v_scale=layer.v_scale, max_query_len=part.max_query_len,
-                              max_seq_len=part.max_seq_len, num_splits=part.num_splits,
-                              merge=self.split_merge)
+            op = "attention.prefill" if part.max_query_len > 1 else "attention.decode"
+            attend = self.launch(op, lambda: self._problem(layer, q, key_cache, value_cache))
+            attend(q[s:e], key_cache, value_cache, out[s:e], part.block_table, part.query_start_loc, part.seq_lens,
+                   scale=layer.scale, window=layer.window, alibi=layer.alibi_slopes, sinks=layer.sinks,
+                   softcap=layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale,
+                   max_query_len=part.max_query_len, max_seq_len=part.max_seq_len, num_splits=part.num_splits,
+                   merge=self.split_merge)
         return out
+
+    @staticmethod
+    def _problem(layer, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
+        """The kernel problem of this layer's calls (what the plan builds from its spec)."""
+        return tensor_problem(q, key_cache, num_heads=q.shape[1], num_kv_heads=key_cache.shape[2],
+                              head_size=key_cache.shape[3], head_size_v=value_cache.shape[3],
+                              features=layer_features(layer))

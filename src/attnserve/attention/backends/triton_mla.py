@@ -6,14 +6,17 @@ written by ``write_latent_rows`` (model dtype or 656-byte fp8 rows). Decodes and
 (at most ``ABSORBED_MAX_QUERY`` new tokens: a short chunk of a chunked prefill, the block
 recomputed after a prefix-cache hit, a short prompt) run in the absorbed ("MQA") form, in one
 launch: each of their query rows becomes ``[W_UK^T q_nope ; q_pe]`` here, and
-``ops/triton_mla.mla_decode`` attends it over its request's raw latent rows as a decode row
-that sees its causal key count (split-KV on long contexts), after which ``W_UV`` maps ``u`` to
-per-head values. On a Hopper GPU the DeepSeek class (bf16, rank 512, 64-row pages; 64+ heads,
-or fewer padded to 64 rows) goes to the Gluon kernel instead (``ops/gluon_mla``, ``gluon_takes``; ``ATTNSERVE_GLUON=0``
-keeps Triton). Longer prefills keep TORCH_MLA's expanded PyTorch path, one request at a time.
+the plan's variant of ``mla.absorbed`` (``attention/kernels.py``) attends it over its request's
+raw latent rows as a decode row that sees its causal key count (split-KV on long contexts), after
+which ``W_UV`` maps ``u`` to per-head values. The variants, first that fits: on a Hopper GPU the
+DeepSeek class (bf16, rank 512, 64-row pages; 64+ heads, or fewer padded to 64 rows) by the Gluon
+kernel (``ops/mla/decode_gluon``); from Hopper on, model-dtype rows in pages of a multiple of 64
+at 33+ heads by whole-page TMA tiles (``ops/mla/decode_triton_tma``); otherwise rows gathered by
+pointer (``ops/mla/decode_triton``; any page, fp8 rows). All three take ``mla_decode``'s call.
+Longer prefills keep TORCH_MLA's expanded PyTorch path (``mla.expanded``), one request at a time.
 The per-row metadata is built once per step in ``build_metadata`` (device tensors plus host
 bounds: no sync in ``forward``); a decode-only batch builds only slices of the common tensors,
-so CUDA graphs capture it. Not here: the kernels (``ops/triton_mla.py``), sparse MLA
+so CUDA graphs capture it. Not here: the kernels (``ops/mla/decode_triton.py``), sparse MLA
 (``triton_mla_sparse.py``).
 """
 
@@ -23,11 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backend import AttentionBackend, tensor_problem
 from attnserve.attention.backends.torch_mla import attend_expanded, read_latent, write_latent_rows
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.ops.gluon_mla import gluon_takes, mla_decode_gluon
-from attnserve.ops.triton_mla import mla_decode
 from attnserve.platforms import to_device
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "TritonMLAMetadata",
     "absorb_query",
     "apply_w_uv",
+    "latent_problem",
 ]
 
 # Prefills of at most this many new tokens run absorbed. Per key (DeepSeek-V3: H 128, L 512,
@@ -48,10 +50,11 @@ __all__ = [
 ABSORBED_MAX_QUERY = 128
 
 
-def pick_decode_kernel(q_abs: torch.Tensor, cache: torch.Tensor, rank: int):
-    """The kernel absorbed rows go to (``mla_decode``'s contract): on a Hopper GPU the Gluon one
-    where it takes the shape, else Triton's ``mla_decode``."""
-    return mla_decode_gluon if gluon_takes(q_abs, cache, rank) else mla_decode
+def latent_problem(q_abs: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int):
+    """The kernel problem of absorbed (or sparse) rows [N, H, L + R] over a latent cache (what the
+    plan builds from the layer's spec)."""
+    return tensor_problem(q_abs, cache, num_heads=q_abs.shape[1], num_kv_heads=1, head_size=q_abs.shape[2],
+                          head_size_v=kv_lora_rank, kv_lora_rank=kv_lora_rank)
 
 
 @dataclass(slots=True)
@@ -144,7 +147,7 @@ class TritonMLABackend(AttentionBackend):
         if n:
             q_rows = q[:n] if rows is None else q.index_select(0, rows)  # [N, H, d_nope + R]
             q_abs = absorb_query(q_rows, w_kv_b, d_nope)  # [N, H, L + R]
-            u = pick_decode_kernel(q_abs, cache, rank)(
+            u = self.launch("mla.absorbed", lambda: latent_problem(q_abs, cache, rank))(
                 q_abs,
                 cache,
                 metadata.block_table,

@@ -4,21 +4,24 @@ The same contract, caches and arithmetic as TORCH_MLA_SPARSE (``torch_mla_sparse
 docstring defines the two calls a sparse layer makes:
 
 1. ``select_topk``: stores the new indexer keys (``write_indexer_rows``: model dtype or
-   132-byte fp8 rows), then ``ops/triton_indexer.lightning_indexer_topk`` scores every
+   132-byte fp8 rows), then ``ops/indexer/logits_triton.lightning_indexer_topk`` scores every
    visible key in one kernel (exact over a model-dtype cache, DeepSeek's fp8 formula over an
-   fp8 cache) and keeps the best ``topk``: decodes are one batched call, selected by radix
-   select (``ops/triton_topk.py``, reading each row only up to its length); prefills one
-   request at a time, in query chunks that bound the [Q, S] logits, selected by ``torch.topk``. Rows that
-   see at most ``topk`` keys select all of them without scoring, in position order (the
-   selection is a set: attention does not depend on its order).
+   fp8 cache) and keeps the best ``topk``: decodes are one batched call, scored by the plan's
+   ``indexer.decode`` variant (Triton's streaming kernel, or on a Hopper GPU over an fp8 cache
+   the Gluon kernel, ``ops/indexer/logits_gluon``) and selected by ``indexer.topk_decode``'s
+   radix select (``ops/indexer/topk_triton.py``, reading each row only up to its length);
+   prefills one request at a time, in query chunks that bound the [Q, S] logits, scored by
+   ``indexer.prefill`` (the tiled kernel) and selected by ``torch.topk``. Rows that see at most
+   ``topk`` keys select all of them without scoring, in position order (the selection is a
+   set: attention does not depend on its order).
 2. ``forward(..., topk_indices=...)``: stores the new latent rows, absorbs the queries and runs
-   ``sparse_mla`` over each row's selected latent rows (decode and prefill rows alike, -1 slots
-   skipped, all -1 gives 0), then applies ``W_UV``. On a Hopper GPU bf16 rank-512 latents at
-   64+ heads go to the Gluon kernel instead (``ops/gluon_mla_sparse``, ``sparse_gluon_takes``),
-   fp8 latent rows to its fp8 twin (``ops/gluon_mla_sparse_fp8``, ``sparse_gluon_fp8_takes``);
-   ``ATTNSERVE_GLUON=0`` keeps Triton.
+   the plan's ``mla.sparse`` variant over each row's selected latent rows (decode and prefill
+   rows alike, -1 slots skipped, all -1 gives 0), then applies ``W_UV``: on a Hopper GPU bf16
+   rank-512 latents at 64+ heads by the Gluon kernel (``ops/mla/sparse_gluon``), fp8 latent rows
+   by its fp8 twin (``ops/mla/sparse_gluon_fp8``), else Triton's ``sparse_mla``; all take
+   ``sparse_mla``'s call. ``disabled_kernels=("gluon",)`` keeps Triton everywhere.
 
-Not here: the kernels (``ops/triton_indexer.py``, ``ops/triton_mla_sparse.py``), the projections and RoPE.
+Not here: the kernels (``ops/indexer/logits_triton.py``, ``ops/mla/sparse_triton.py``), the projections and RoPE.
 """
 
 from __future__ import annotations
@@ -27,14 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backend import AttentionBackend
+from attnserve.attention.backend import AttentionBackend, tensor_problem
 from attnserve.attention.backends.torch_mla_sparse import write_and_attend, write_indexer_rows
-from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv
+from attnserve.attention.backends.triton_mla import absorb_query, apply_w_uv, latent_problem
 from attnserve.attention.metadata import CommonAttentionMetadata
-from attnserve.ops.gluon_mla_sparse import sparse_gluon_takes, sparse_mla_gluon
-from attnserve.ops.gluon_mla_sparse_fp8 import sparse_gluon_fp8_takes, sparse_mla_gluon_fp8
-from attnserve.ops.triton_indexer import lightning_indexer_topk
-from attnserve.ops.triton_mla_sparse import sparse_mla
+from attnserve.ops.indexer.logits_triton import lightning_indexer_topk
 from attnserve.platforms import to_device
 
 __all__ = ["TritonMLASparseBackend", "TritonMLASparseMetadata"]
@@ -44,14 +44,10 @@ __all__ = ["TritonMLASparseBackend", "TritonMLASparseMetadata"]
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def pick_sparse_kernel(q_abs: torch.Tensor, cache: torch.Tensor, rank: int):
-    """The kernel sparse rows go to (``sparse_mla``'s contract): on a Hopper GPU the Gluon one
-    for bf16 or fp8 latent rows where it takes the shape, else Triton's ``sparse_mla``."""
-    if sparse_gluon_takes(q_abs, cache, rank):
-        return sparse_mla_gluon
-    if sparse_gluon_fp8_takes(q_abs, cache, rank):
-        return sparse_mla_gluon_fp8
-    return sparse_mla
+def indexer_problem(q: torch.Tensor, cache: torch.Tensor):
+    """The kernel problem of indexer queries [T, H_I, D] over the indexer cache (what the plan
+    builds from the layer's spec)."""
+    return tensor_problem(q, cache, num_heads=q.shape[1], num_kv_heads=1, head_size=q.shape[2])
 
 
 @dataclass(slots=True)
@@ -130,19 +126,24 @@ class TritonMLASparseBackend(AttentionBackend):
         write_indexer_rows(cache, k, md.slot_mapping)
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
         nd = md.num_decodes
+        problem = lambda: indexer_problem(q, cache)  # noqa: E731
         if nd:
             out[:nd] = lightning_indexer_topk(
                 q[:nd], weights[:nd], cache, md.block_table[:nd], md.query_start_loc[: nd + 1],
                 md.seq_lens[:nd], md.positions[:nd], topk=topk, max_query_len=1,
-                max_seq_len=md.decode_max_seq_len,
+                max_seq_len=md.decode_max_seq_len, logits=self.launch("indexer.decode", problem),
+                select=self.launch("indexer.topk_decode", problem),
             )  # fmt: skip
+        if md.prefills:
+            prefill_logits = self.launch("indexer.prefill", problem)
+            self.kernel("indexer.topk_prefill", problem)  # torch.topk, inside lightning_indexer_topk
         for start, end, req, seq_len in md.prefills:
             table, lens = md.block_table[req : req + 1], md.seq_lens[req : req + 1]
             for a, b in _chunks(start, end, seq_len):
                 qsl = to_device(torch.tensor([0, b - a], dtype=torch.int32), q.device)
                 out[a:b] = lightning_indexer_topk(
                     q[a:b], weights[a:b], cache, table, qsl, lens, md.positions[a:b], topk=topk,
-                    max_query_len=b - a, max_seq_len=seq_len,
+                    max_query_len=b - a, max_seq_len=seq_len, logits=prefill_logits,
                 )  # fmt: skip
         return out
 
@@ -165,7 +166,7 @@ class TritonMLASparseBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], q.shape[1], w_kv_b.shape[1] - d_nope)
         for a, b in _chunks(0, q.shape[0], q.shape[1] * (rank + rope)):
             q_abs = absorb_query(q[a:b], w_kv_b, d_nope)  # [rows, H, L + R]
-            u = pick_sparse_kernel(q_abs, cache, rank)(
+            u = self.launch("mla.sparse", lambda q_abs=q_abs: latent_problem(q_abs, cache, rank))(
                 q_abs, cache, metadata.block_table,
                 metadata.seq_lens, topk_indices[a:b], metadata.token_req[a:b],
                 kv_lora_rank=rank, scale=layer.scale,

@@ -3,11 +3,11 @@
 TRITON_GDN, TRITON_MAMBA, TRITON_LIGHTNING and TRITON_KDA run the same layer step, metadata and
 state layout as their TORCH_* twins (``torch_backends.py``), with the decode tokens' recurrence
 through a kernel that reads each sequence's state once and writes it once
-(``ops/triton_gdn.fused_delta_rule_decode``, with per-head or per-key-channel decay for KDA;
-``ops/triton_state_decode``: Mamba's scan step with skip and gate in the same pass, lightning's
+(``ops/state/delta_decode_triton.fused_delta_rule_decode``, with per-head or per-key-channel decay for KDA;
+``ops/state/decode_triton``: Mamba's scan step with skip and gate in the same pass, lightning's
 decayed update). The prefills are kernels too: the chunked delta rule of GDN and KDA in two
-varlen launches (``ops/triton_delta_prefill``), Mamba's scan token by token and lightning block by
-block (``ops/triton_state_prefill``), each sequence's bounds read on the device, no padding and no
+varlen launches (``ops/state/delta_prefill_triton``), Mamba's scan token by token and lightning block by
+block (``ops/state/prefill_triton``), each sequence's bounds read on the device, no padding and no
 host synchronisation; so is the short conv of GDN, Mamba and KDA, prefill and decode. On CPU they
 run only when named, under Triton's interpreter (tests). All four are ``cuda_graph_safe``: the
 kernels take the slots as a device tensor and launch a grid fixed by the batch size.
@@ -22,10 +22,10 @@ from attnserve.attention.state.steps import (
     lightning_forward,
     mamba_forward,
 )
-from attnserve.ops.triton_delta_prefill import fused_gated_delta_prefill, fused_kda_prefill
-from attnserve.ops.triton_gdn import fused_delta_rule_decode
-from attnserve.ops.triton_state_decode import fused_lightning_decode, fused_selective_scan_decode
-from attnserve.ops.triton_state_prefill import (
+from attnserve.ops.state.decode_triton import fused_lightning_decode, fused_selective_scan_decode
+from attnserve.ops.state.delta_decode_triton import fused_delta_rule_decode
+from attnserve.ops.state.delta_prefill_triton import fused_gated_delta_prefill, fused_kda_prefill
+from attnserve.ops.state.prefill_triton import (
     fused_causal_conv1d_prefill,
     fused_causal_conv1d_update,
     fused_lightning_prefill,

@@ -8,7 +8,7 @@ instead of two: programs for q's heads write rotated q to a new tensor, programs
 heads rotate k on the way into the cache (rounded as the unfused rotation then write round
 it, so the cache holds the same bits), after a per-head q/k RMSNorm where one is given (Qwen3;
 rounded as ``RMSNorm``). Not here: choosing slots (the block manager and the
-model runner do that) and reading the cache (``ops/triton_paged_attention.py``). The PyTorch
+model runner do that) and reading the cache (``ops/attention/paged_triton.py``). The PyTorch
 twins are ``attention.reference.write_kv`` and, with RoPE, ``layers.fused.rotary_ref`` then
 ``write_kv`` (``rms_norm_ref`` on q and k first, with the q/k norm).
 """
@@ -19,14 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.ops.triton_fused import (
-    _block_elems,
-    _head_inv_rms,
-    _rope_cos_sin,
-    _rope_pairs,
-    _rotate_heads,
-    _store_rope,
-    _warps,
+from attnserve.ops.dense.fused_triton import (
+    block_elems,
+    head_inv_rms,
+    rope_cos_sin,
+    rope_pairs,
+    rotate_heads,
+    store_rope,
+    warps,
 )
 
 __all__ = ["rope_write_kv_cache", "write_kv_cache"]
@@ -97,9 +97,9 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, key_cache_ptr, value_cach
     HAS_QK_NORM q's and k's heads are RMS-normalised first (weights qw, kw; q_eps, k_eps)."""
     t = tl.program_id(0)
     blk = tl.program_id(1)
-    cos, sin = _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT, HALF_PAD)
+    cos, sin = rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT, HALF_PAD)
     if blk < NUM_Q_BLOCKS:
-        _rotate_heads(q_ptr, qo_ptr, sq_t, sq_h, sqo_t, sqo_h, t, blk * BLOCK_HQ, num_q_heads,
+        rotate_heads(q_ptr, qo_ptr, sq_t, sq_h, sqo_t, sqo_h, t, blk * BLOCK_HQ, num_q_heads,
                       cos, sin, qw_ptr, q_eps, HEAD, ROT, INTERLEAVED, BLOCK_HQ, HALF_PAD,
                       TAIL_PAD, HAS_QK_NORM, HEAD_PAD)
     else:
@@ -114,10 +114,10 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, key_cache_ptr, value_cach
             kc_row = key_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch
             inv = 1.0
             if HAS_QK_NORM:
-                inv = _head_inv_rms(k_row, h_ok, k_eps, HEAD, HEAD_PAD)
-            o1, o2 = _rope_pairs(k_row, h_ok, cos, sin, inv, kw_ptr, ROT, INTERLEAVED, BLOCK_HK,
+                inv = head_inv_rms(k_row, h_ok, k_eps, HEAD, HEAD_PAD)
+            o1, o2 = rope_pairs(k_row, h_ok, cos, sin, inv, kw_ptr, ROT, INTERLEAVED, BLOCK_HK,
                                  HALF_PAD, HAS_QK_NORM)
-            _store_rope(k_row, kc_row, h_ok, o1, o2, k_scale, inv, kw_ptr, HEAD, ROT, INTERLEAVED,
+            store_rope(k_row, kc_row, h_ok, o1, o2, k_scale, inv, kw_ptr, HEAD, ROT, INTERLEAVED,
                         BLOCK_HK, HALF_PAD, TAIL_PAD, HAS_QK_NORM)
             dv = tl.arange(0, HEAD_V_PAD)
             v_mask = h_ok[:, None] & (dv[None, :] < HEAD_V)
@@ -262,8 +262,8 @@ def rope_write_kv_cache(
     # a q/k norm holds whole heads (its sum of squares): blocks are sized by the head then
     head_pad = triton.next_power_of_2(head) if qk_norm is not None else 1
     q_elems = max(half_pad, head_pad)
-    block_hq = min(triton.next_power_of_2(num_q_heads), max(1, _block_elems() // q_elems))
-    block_hk = min(triton.next_power_of_2(num_kv_heads), max(1, _block_elems() // max(q_elems, head_v_pad)))
+    block_hq = min(triton.next_power_of_2(num_q_heads), max(1, block_elems() // q_elems))
+    block_hk = min(triton.next_power_of_2(num_kv_heads), max(1, block_elems() // max(q_elems, head_v_pad)))
     num_q_blocks = triton.cdiv(num_q_heads, block_hq)
     grid = (t, num_q_blocks + triton.cdiv(num_kv_heads, block_hk))
     # no FMA contraction: x1 * c - x2 * s must round like the two products of the torch path
@@ -277,7 +277,7 @@ def rope_write_kv_cache(
         BLOCK_HK=block_hk, HALF_PAD=half_pad,
         TAIL_PAD=triton.next_power_of_2(max(head - rotary_dim, 1)), NUM_Q_BLOCKS=num_q_blocks,
         HAS_QK_NORM=qk_norm is not None, HEAD_PAD=head_pad,
-        num_warps=_warps(max(block_hq * q_elems, block_hk * max(head_pad, head_v_pad)), 4),
+        num_warps=warps(max(block_hq * q_elems, block_hk * max(head_pad, head_v_pad)), 4),
         enable_fp_fusion=False,
     )  # fmt: skip
     return q_out

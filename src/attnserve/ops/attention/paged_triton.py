@@ -12,7 +12,7 @@ and sets the counter back to 0 for the next launch or graph replay); with ``merg
 by a second kernel, the older form kept for timing against it.
 
 It is not a backend: building metadata and choosing when to call it live in
-``attention/backends``. Writing new K/V into the cache is ``ops/triton_kv_write.py``. The
+``attention/backends``. Writing new K/V into the cache is ``ops/attention/kv_write_triton.py``. The
 PyTorch twin it must match is ``attention.reference.paged_attention``.
 """
 
@@ -26,8 +26,10 @@ import triton
 import triton.language as tl
 
 from attnserve import env
+from attnserve.ops.launch import compute_dtype, num_sms, pow2
+from attnserve.ops.tiles import find_seq
 
-__all__ = ["AttentionConfig", "pick_config", "pick_num_splits", "unified_attention"]
+__all__ = ["AttentionConfig", "pick_config", "pick_num_splits", "split_counters", "unified_attention"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units: exp2 is cheaper
 
@@ -47,10 +49,6 @@ class AttentionConfig:
         return self.block_q * self.group_pad
 
 
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
 def pick_config(
     head_size: int, group: int, max_query_len: int, interpret: bool | None = None
 ) -> AttentionConfig:
@@ -66,7 +64,7 @@ def pick_config(
     """
     if interpret is None:
         interpret = env.triton_interpret()
-    group_pad = _pow2(group)
+    group_pad = pow2(group)
     # Defaults measured on the H200 with benchmarks/tune_attention.py (bf16, GQA 32/8, head
     # 128): decode 64-key tiles, 4 warps, 2 stages were within 2% of the best of 54 variants
     # at every shape (3 stages lost up to 14%); prefill 128x64 tiles, 4 warps, 4 stages gave
@@ -81,13 +79,8 @@ def pick_config(
     else:
         target_m, block_n, warps, stages = 64, 64, 8, 2
     block_q = max(1, target_m // group_pad)
-    block_q = max(min(block_q, _pow2(max_query_len)), _pow2(16 // group_pad))
+    block_q = max(min(block_q, pow2(max_query_len)), pow2(16 // group_pad))
     return AttentionConfig(block_q, group_pad, block_n, warps, stages)
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def pick_num_splits(
@@ -101,13 +94,12 @@ def pick_num_splits(
     if max_query_len != 1 or device.type != "cuda" or env.triton_interpret():
         return 1
     programs = num_seqs * num_kv_heads
-    index = device.index if device.index is not None else torch.cuda.current_device()
     # about four waves: on the H200, batch 16 at 16K context read 97% of bandwidth with 4
     # splits against 78% with the 2 that two waves gave (benchmarks/tune_attention.py); short
     # contexts split down to one tile a split: batch 1 at 1K took 9.5 us with 16 splits
     # against 21.8 with the 2 that 512-key splits allowed, batch 2 at 4K 19.0 against 26.4
     # (tune_attention.py --splits, 2026-12-01); 64 splits at most (128 lost at 16K-64K)
-    want = triton.cdiv(4 * _sm_count(index), programs)
+    want = triton.cdiv(4 * num_sms(device), programs)
     splits = min(want, max_seq_len // 64, 64)
     return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
 
@@ -122,23 +114,6 @@ _SLICED = ("bt_ptr", "qsl_ptr", "seq_lens_ptr")  # metadata slices start anywher
 
 # Kernels keep their dense argument lists: one argument per line would triple their length.
 # fmt: off
-@triton.jit
-def _find_seq(qsl_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr):
-    """Largest request i whose first q block id (qsl[i] // BLOCK_Q + i) is <= q_block_id."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(qsl_ptr + mid)
-        if BLOCK_Q > 1:
-            first = first // BLOCK_Q + mid
-        if first <= q_block_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, t, k_base, v_base, bt_row, q_pos, slope, seq_len, window,
                  qk_scale, softcap, stride_kb, stride_ks, stride_vb, stride_vs,
@@ -226,7 +201,7 @@ def _locate(qsl_ptr, num_seqs, order, BLOCK_Q: tl.constexpr, DECODE_ONLY: tl.con
     if DECODE_ONLY:  # max_query_len == 1: program i is request i, no search
         seq = q_block_id
     else:
-        seq = _find_seq(qsl_ptr, num_seqs, q_block_id, BLOCK_Q)
+        seq = find_seq(qsl_ptr, num_seqs, q_block_id, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if DECODE_ONLY:
@@ -466,17 +441,12 @@ def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
-def _counters_for(device: torch.device, rows: int) -> torch.Tensor:
+def split_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """The persistent int32 arrival counters of ``merge="last_split"`` launches on ``device``
+    (one a row; at least ``rows``, shared by every launch), each 0 between launches."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _arrival_counters(device, max(_MIN_COUNTERS, triton.next_power_of_2(rows)))
-
-
-def _compute_dtype(dtype: torch.dtype, interpret: bool):
-    """Dtype of tl.dot inputs: q's dtype, or fp32 where the interpreter cannot do bf16."""
-    if dtype == torch.float32 or (interpret and dtype == torch.bfloat16):
-        return tl.float32
-    return tl.float16 if dtype == torch.float16 else tl.bfloat16
 
 
 def _check_inputs(q, key_cache, value_cache, out, block_table) -> None:
@@ -561,8 +531,8 @@ def unified_attention(
         num_q_blocks = num_tokens // cfg.block_q + num_seqs if cfg.block_q > 1 else num_tokens
     merge_last = split and merge == "last_split"
     # unused without merge_last: out, not a metadata slice whose alignment varies (a recompile)
-    counters = _counters_for(q.device, num_q_blocks * num_kv_heads) if merge_last else out
-    dt = _compute_dtype(q.dtype, interpret)
+    counters = split_counters(q.device, num_q_blocks * num_kv_heads) if merge_last else out
+    dt = compute_dtype(q.dtype, interpret)
     alibi_arg, sinks_arg = (x if x is not None else q for x in (alibi, sinks))  # q: unused
     # fmt: off
     _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
@@ -571,8 +541,8 @@ def unified_attention(
         num_seqs, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3], block_table.stride(0),
         GROUP=group, GROUP_PAD=cfg.group_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        PAGE=key_cache.shape[1], HEAD=head, HEAD_PAD=_pow2(head, 16), HEAD_V=head_v,
-        HEAD_V_PAD=_pow2(head_v, 16), USE_WINDOW=window is not None, USE_ALIBI=alibi is not None,
+        PAGE=key_cache.shape[1], HEAD=head, HEAD_PAD=pow2(head, 16), HEAD_V=head_v,
+        HEAD_V_PAD=pow2(head_v, 16), USE_WINDOW=window is not None, USE_ALIBI=alibi is not None,
         USE_SINKS=sinks is not None, USE_SOFTCAP=softcap is not None, SPLIT=split,
         MERGE_LAST=merge_last, MERGE_CHUNK=_MERGE_CHUNK, DECODE_ONLY=decode_only, DT=dt, PRECISION="ieee" if dt == tl.float32 else "tf32",
         INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -580,8 +550,8 @@ def unified_attention(
     if split and not merge_last:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, sinks_arg, query_start_loc, v_scale, num_seqs, num_heads,
-            num_splits, out.stride(0), out.stride(1), SPLITS_PAD=_pow2(num_splits, 2),
-            HEAD_V=head_v, HEAD_V_PAD=_pow2(head_v, 16), USE_SINKS=sinks is not None,
+            num_splits, out.stride(0), out.stride(1), SPLITS_PAD=pow2(num_splits, 2),
+            HEAD_V=head_v, HEAD_V_PAD=pow2(head_v, 16), USE_SINKS=sinks is not None,
             INTERPRET=interpret, num_warps=4,
         )
     # fmt: on

@@ -1,6 +1,6 @@
 """Causal paged prefill (GQA, head 128) as a Gluon (``triton.experimental.gluon``) Hopper kernel.
 
-The contract of ``ops/triton_paged_attention.unified_attention`` restricted to its prefill class:
+The contract of ``ops/attention/paged_triton.unified_attention`` restricted to its prefill class:
 ``max_query_len > 1``, plain causal attention (no window, alibi, sinks, softcap or fp8 scales),
 bf16 or fp16 q and caches, head size 128 for K and V, 1..8 query heads per KV head, pages a
 multiple of 8 rows, contiguous caches. Requests may have cached context before their new tokens
@@ -35,7 +35,7 @@ NaN = NaN; split: each partition zeroes one half, and both wait on a barrier for
 Rows past a request's new tokens (and padded heads) read zero queries and are not stored.
 
 The grid is (q blocks, KV heads), q blocks in reverse (the last, longest blocks of each request
-first; ``_find_seq`` maps a q block to its request as the Triton kernel does). Not here: decode
+first; ``find_seq`` maps a q block to its request as the Triton kernel does). Not here: decode
 steps, windows, alibi, sinks, softcap, fp8 caches, other head sizes (the Triton kernel takes
 those; ``check_prefill_inputs`` says which). No interpreter runs Gluon: CPU tests compile it for
 sm_90 only; ``benchmarks/gpu_prefill_gluon.py`` checks and times it on a Hopper GPU. The PyTorch
@@ -44,7 +44,6 @@ twin is ``attention.reference.paged_attention``.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -62,13 +61,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # the helpers both Gluon kernels share (same code): P V over two halves, zeroing stale rows
-from attnserve import env
-from attnserve.ops.gluon_mla import _issue_pv, _zero_rows_from
-from attnserve.ops.triton_paged_attention import _find_seq
+from attnserve.ops import launch as launch_helpers
+from attnserve.ops.hopper import issue_pv, zero_rows_from
+from attnserve.ops.tiles import find_seq
 
-__all__ = ["CONFIGS", "DEFAULT_CONFIG", "PrefillConfig", "check_prefill_inputs",
-           "gluon_prefill_takes", "in_prefill_class", "launch_prefill",
-           "prefill_attention_gluon"]  # fmt: skip
+__all__ = ["CONFIGS", "DEFAULT_CONFIG", "PrefillConfig", "check_prefill_inputs", "launch_prefill",
+           "launch_prefill_attention", "prefill_attention_gluon"]  # fmt: skip
 
 HEAD, HALF, ROWS, MAX_GROUP = 128, 64, 128, 8
 LOADER_REGS = gl.constexpr(24)  # registers a thread of the TMA warp keeps (setmaxnreg)
@@ -245,7 +243,7 @@ def _consumer(q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
         mbarrier.wait(ready.index(cur), (t // STAGES) & 1)
         # issue order = completion order: the scores of t, then P V of t - 1
         s = _issue_scores(q_lo, q_hi, k_lo.index(cur), k_hi.index(cur), S_LAYOUT)
-        acc_lo, acc_hi = _issue_pv(p, v_lo.index(prev), v_hi.index(prev), acc_lo, acc_hi)
+        acc_lo, acc_hi = issue_pv(p, v_lo.index(prev), v_hi.index(prev), acc_lo, acc_hi)
         if OVERLAP:  # the softmax of t runs while P V of t - 1 is on the tensor cores
             s = warpgroup_mma_wait(2, deps=(s,))
             p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, n_full, q_pos, seq_len,
@@ -268,14 +266,14 @@ def _consumer(q_ptr, out_ptr, q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, 
         # rows past the sequence (WG 0 the low half, WG 1 the high one; one partition: both),
         # then every partition waits for all of them
         if NPART == 1 or WG == 0:
-            _zero_rows_from(v_lo.index(last), seq_len - (n_tiles - 1) * BLOCK_N, LD_LAYOUT)
+            zero_rows_from(v_lo.index(last), seq_len - (n_tiles - 1) * BLOCK_N, LD_LAYOUT)
         if NPART == 1 or WG == 1:
-            _zero_rows_from(v_hi.index(last), seq_len - (n_tiles - 1) * BLOCK_N, LD_LAYOUT)
+            zero_rows_from(v_hi.index(last), seq_len - (n_tiles - 1) * BLOCK_N, LD_LAYOUT)
         fence_async_shared()  # generic-proxy stores, then async-proxy (wgmma) reads
         gl.thread_barrier()
         mbarrier.arrive(zeroed, count=1)
         mbarrier.wait(zeroed, 0)
-    acc_lo, acc_hi = _issue_pv(p, v_lo.index(last), v_hi.index(last), acc_lo, acc_hi)
+    acc_lo, acc_hi = issue_pv(p, v_lo.index(last), v_hi.index(last), acc_lo, acc_hi)
     acc_lo, acc_hi, p = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi, p))
     _store_out(out_ptr, acc_lo, acc_hi, l_i, q_start, q_len, q_block, kv_head, stride_ot,
                stride_oh, GROUP, GROUP_PAD, WG * M)
@@ -294,7 +292,7 @@ def _prefill_kernel(q_ptr, k_desc, v_desc, out_ptr, bt_ptr, qsl_ptr, seq_lens_pt
     DT: gl.constexpr = k_desc.dtype
     kv_head = gl.program_id(1)
     q_block_id = gl.num_programs(0) - 1 - gl.program_id(0)  # last (longest) blocks first
-    seq = _find_seq(qsl_ptr, num_seqs, q_block_id, BLOCK_Q)
+    seq = find_seq(qsl_ptr, num_seqs, q_block_id, BLOCK_Q)
     q_start = gl.load(qsl_ptr + seq)
     q_len = gl.load(qsl_ptr + seq + 1) - q_start
     q_block = q_block_id - (q_start // BLOCK_Q + seq)
@@ -412,49 +410,7 @@ def check_prefill_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     devices = {t.device for t in named.values()}
     if len(devices) != 1:
         raise ValueError(f"inputs on several devices: {sorted(map(str, devices))}")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        raise ValueError(f"the Gluon prefill kernel runs on Hopper (sm_90) GPUs, not {q.device}")
-
-
-@functools.lru_cache(maxsize=16)
-def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
-def in_prefill_class(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
-                     window=None, alibi=None, sinks=None, softcap=None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, max_query_len: int) -> bool:
-    """What ``check_prefill_inputs`` checks of the layer, the caches and the step, as a bool
-    (host-side, no sync): plain causal prefill, bf16/fp16, head 128, 1..8 query heads per KV
-    head, pages a multiple of 8, contiguous caches of q's dtype."""
-    return (
-        max_query_len > 1
-        and window is None and alibi is None and sinks is None and softcap is None
-        and k_scale == 1.0 and v_scale == 1.0
-        and q.dim() == 3 and q.shape[2] == HEAD and q.stride(-1) == 1
-        and q.dtype in _DTYPES
-        and key_cache.dtype == q.dtype and value_cache.dtype == q.dtype
-        and key_cache.dim() == 4 and key_cache.shape[3] == HEAD
-        and value_cache.shape == key_cache.shape
-        and key_cache.shape[1] % 8 == 0
-        and key_cache.shape[0] * key_cache.shape[1] < 2**31
-        and q.shape[1] % key_cache.shape[2] == 0
-        and 1 <= q.shape[1] // key_cache.shape[2] <= MAX_GROUP
-        and key_cache.is_contiguous() and value_cache.is_contiguous()
-        and key_cache.data_ptr() % 16 == 0 and value_cache.data_ptr() % 16 == 0
-    )  # fmt: skip
-
-
-def gluon_prefill_takes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        **step) -> bool:
-    """Whether a prefill launch goes to this kernel: ``in_prefill_class`` (``step``: its
-    keyword arguments) on an sm_90 GPU, and ``ATTNSERVE_GLUON`` not 0."""
-    return (
-        q.is_cuda
-        and env.gluon()
-        and in_prefill_class(q, key_cache, value_cache, **step)
-        and _is_sm90(q.device)
-    )
+    launch_helpers.require_hopper(q.device, "the Gluon prefill kernel")
 
 
 def _descriptors(key_cache, value_cache, block_n):
@@ -470,8 +426,8 @@ def _descriptors(key_cache, value_cache, block_n):
 def launch_prefill(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, scale,
                    config: PrefillConfig = DEFAULT_CONFIG):
     """The launch itself, without input checks: for inputs ``check_prefill_inputs`` passed, or
-    a backend's, whose layer and cache ``gluon_prefill_takes`` and whose metadata the engine
-    builds (int32, one row per request). The sm_90 compile test records it on CPU tensors."""
+    a backend's, whose layer and cache the kernel table's ``takes`` passed and whose metadata
+    the engine builds (int32, one row per request). The sm_90 compile test records it on CPU tensors."""
     num_tokens, num_heads = q.shape[:2]
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -490,6 +446,18 @@ def launch_prefill(q, key_cache, value_cache, out, block_table, query_start_loc,
     )
     # fmt: on
     return out
+
+
+def launch_prefill_attention(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, *,
+                             scale: float, max_query_len: int, max_seq_len: int, num_splits=None,
+                             merge: str = "kernel", window=None, alibi=None, sinks=None, softcap=None,
+                             k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """``unified_attention``'s call as TRITON_ATTN makes it, to ``launch_prefill``: the
+    ``attention.prefill/gluon`` variant's launch. No per-call checks: the kernel table's
+    ``takes`` admitted the layer and cache when the variant was chosen (plain causal attention,
+    so the feature arguments are None and the scales 1), and the engine builds the metadata."""
+    del max_query_len, max_seq_len, num_splits, merge, window, alibi, sinks, softcap, k_scale, v_scale
+    return launch_prefill(q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens, scale)
 
 
 def prefill_attention_gluon(

@@ -7,11 +7,13 @@ tens of seconds once; torch caches the build under ``TORCH_EXTENSIONS_DIR``, by 
 ``~/.cache/torch_extensions``, and rebuilds only when the source changes) and registered as
 ``torch.ops.attnserve_cpu.paged_decode``.
 
-``available()`` says whether it can run here: not switched off (``ATTNSERVE_CPU_DECODE_KERNEL=0``),
-an x86-64 CPU with AVX2, and a build that succeeded; a failed build is logged once and the
-caller keeps its PyTorch path. ``supports`` says whether it serves a given layer and dtype.
-The PyTorch twin is TORCH_SDPA's bucketed decode (``attention/backends/torch_sdpa.py``) and
-``attention/reference.py``.
+It is the ``cpu_ext`` variant of ``attention.decode`` (``attention/kernels.py``, whose ``takes``
+says which layers it serves: plain causal attention of a float dtype, head sizes a multiple of 8,
+a cache of the model dtype). ``prepare()`` is its prepare hook: it builds the extension (once,
+then cached) and says why it cannot run here (not an x86-64 CPU with AVX2, a failed build), so
+the plan passes it over for TORCH_SDPA's bucketed decode (``disabled_kernels=("cpu_ext",)``
+turns it off). The PyTorch twin is that bucketed decode (``attention/backends/torch_sdpa.py``)
+and ``attention/reference.py``.
 
 What it is not: prefills, windows, ALiBi, sinks, soft-capping, fp8 caches, GPUs.
 """
@@ -25,9 +27,7 @@ from pathlib import Path
 
 import torch
 
-from attnserve import env
-
-__all__ = ["available", "supports", "paged_decode", "DTYPES"]
+__all__ = ["DTYPES", "available", "cpu_support", "paged_decode", "prepare"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,10 @@ _SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_decode.cpp"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
 _LDFLAGS = ["-fopenmp"]  # libgomp.so.1: the one torch has loaded already
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_built: bool | None = None  # None: not tried yet
+_built: str | None = None  # None: not tried yet; "": built; else why it cannot run
 
 
-def _cpu_ok() -> str | None:
+def cpu_support() -> str | None:
     """Why this CPU cannot run the kernel, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
@@ -48,8 +48,9 @@ def _cpu_ok() -> str | None:
     return None
 
 
-def _build() -> bool:
-    why = _cpu_ok()
+def _build() -> str:
+    """"" when the extension is built and registered, else why it cannot run (logged)."""
+    why = cpu_support()
     if why is None:
         try:
             from torch.utils import cpp_extension
@@ -60,30 +61,25 @@ def _build() -> bool:
             seconds = time.perf_counter() - start
             (logger.info if seconds > 1.0 else logger.debug)("CPU decode kernel built in %.1f s (cached for the "
                                                               "next start)", seconds)
-            return True
+            return ""
         except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path stays
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     logger.warning("CPU decode kernel unavailable (%s): decodes take the bucketed SDPA path", why)
-    return False
+    return why or "the build failed"
+
+
+def prepare() -> str | None:
+    """The prepare hook: build the kernel (the first call; later calls return at once); None
+    when it can run, else why not."""
+    global _built
+    if _built is None:
+        _built = _build()
+    return _built or None
 
 
 def available() -> bool:
-    """Whether the kernel can run (switched on, this CPU, built; the first call builds it)."""
-    global _built
-    if not env.cpu_decode_kernel():
-        return False
-    if _built is None:
-        _built = _build()
-    return _built
-
-
-def supports(layer, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the kernel serves this layer's decodes: plain causal attention (no window, ALiBi,
-    sinks or soft-capping) on CPU tensors of one float dtype, head dims a multiple of 8."""
-    return (q.device.type == "cpu" and q.dtype in DTYPES and key_cache.dtype == q.dtype
-            and value_cache.dtype == q.dtype and q.shape[-1] % 8 == 0 and value_cache.shape[-1] % 8 == 0
-            and layer.window is None and layer.alibi_slopes is None and layer.sinks is None
-            and layer.softcap is None and getattr(layer, "streaming", None) is None)
+    """Whether the kernel can run here (this CPU, built; the first call builds it)."""
+    return prepare() is None
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,

@@ -22,7 +22,10 @@ import triton.language as tl
 
 from attnserve import env
 
-__all__ = ["ACT_IDS", "FUSED_ACTS", "act_and_mul", "gated_product", "rms_norm", "rotary"]
+# the RoPE and norm pieces are shared with the cache write that rotates k on the way
+# (ops/attention/kv_write_triton.py)
+__all__ = ["ACT_IDS", "FUSED_ACTS", "act_and_mul", "block_elems", "gated_product", "head_inv_rms",
+           "rms_norm", "rope_cos_sin", "rope_pairs", "rotary", "rotate_heads", "store_rope", "warps"]
 
 FUSED_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
 ACT_IDS = {name: i for i, name in enumerate(FUSED_ACTS)}
@@ -30,12 +33,12 @@ _SQRT_HALF = tl.constexpr(0.7071067811865476)
 _TANH_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 
 
-def _block_elems() -> int:
+def block_elems() -> int:
     """Elements one program holds: small on GPU (registers), large in the interpreter."""
     return 16384 if env.triton_interpret() else 2048
 
 
-def _warps(elems: int, per_thread: int = 8) -> int:
+def warps(elems: int, per_thread: int = 8) -> int:
     return min(8, max(1, elems // (32 * per_thread)))
 
 
@@ -56,7 +59,7 @@ def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x, x.shape[1], x.stride(0), x.stride(1)
 
 
-# Kernels keep dense argument lists, as in triton_paged_attention.py.
+# Kernels keep dense argument lists, as in ops/attention/paged_triton.py.
 # fmt: off
 @triton.jit(do_not_specialize=("n_rows",))  # rows vary per step: no variant per size class
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, heads, sx_t, sx_h,
@@ -89,7 +92,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, heads,
 
 
 @triton.jit
-def _head_inv_rms(x_row, h_ok, eps, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+def head_inv_rms(x_row, h_ok, eps, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
     """1 / rms [BLOCK_H, 1] of each whole head at ``x_row`` [BLOCK_H, 1] (a per-head q/k norm),
     summed over a [BLOCK_H, HEAD_PAD] tile as ``_rms_norm_kernel`` sums its [rows, dim] tile."""
     j = tl.arange(0, HEAD_PAD)
@@ -109,11 +112,11 @@ def _normed(x, idx, inv, w_ptr, ty, NORM: tl.constexpr):
 
 
 @triton.jit
-def _rope_pairs(x_row, h_ok, cos, sin, inv, w_ptr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+def rope_pairs(x_row, h_ok, cos, sin, inv, w_ptr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
                 BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
     """The rotated pairs (o1, o2) [BLOCK_H, HALF_PAD] of the heads at ``x_row`` [BLOCK_H, 1],
     fp32 values rounded to x's dtype where the PyTorch path rounds them; with NORM the heads
-    are RMS-normalised first (``inv`` from ``_head_inv_rms``, weight at ``w_ptr``)."""
+    are RMS-normalised first (``inv`` from ``head_inv_rms``, weight at ``w_ptr``)."""
     d = tl.arange(0, HALF_PAD)
     ty = x_row.dtype.element_ty
     if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: one contiguous load, split in registers
@@ -139,7 +142,7 @@ def _rope_pairs(x_row, h_ok, cos, sin, inv, w_ptr, ROT: tl.constexpr, INTERLEAVE
 
 
 @triton.jit
-def _store_rope(x_row, o_row, h_ok, o1, o2, scale, inv, w_ptr, HEAD: tl.constexpr,
+def store_rope(x_row, o_row, h_ok, o1, o2, scale, inv, w_ptr, HEAD: tl.constexpr,
                 ROT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
                 HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, NORM: tl.constexpr):
     """Store the rotated pairs and the unrotated dims past ROT (read from ``x_row``, normalised
@@ -166,7 +169,7 @@ def _store_rope(x_row, o_row, h_ok, o1, o2, scale, inv, w_ptr, HEAD: tl.constexp
 
 
 @triton.jit
-def _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT: tl.constexpr, HALF_PAD: tl.constexpr):
+def rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT: tl.constexpr, HALF_PAD: tl.constexpr):
     """Token t's cos and sin rows [HALF_PAD], fp32, from the [max_pos, ROT] table."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
@@ -177,7 +180,7 @@ def _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT: tl.constexpr, HALF_PAD: t
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, sx_t, sx_h, so_t, so_h, t, h0, num_heads, cos, sin, w_ptr, eps,
+def rotate_heads(x_ptr, o_ptr, sx_t, sx_h, so_t, so_h, t, h0, num_heads, cos, sin, w_ptr, eps,
                   HEAD: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
                   BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
                   NORM: tl.constexpr, HEAD_PAD: tl.constexpr):
@@ -189,9 +192,9 @@ def _rotate_heads(x_ptr, o_ptr, sx_t, sx_h, so_t, so_h, t, h0, num_heads, cos, s
     o_row = o_ptr + t.to(tl.int64) * so_t + h[:, None].to(tl.int64) * so_h
     inv = 1.0
     if NORM:
-        inv = _head_inv_rms(x_row, h_ok, eps, HEAD, HEAD_PAD)
-    o1, o2 = _rope_pairs(x_row, h_ok, cos, sin, inv, w_ptr, ROT, INTERLEAVED, BLOCK_H, HALF_PAD, NORM)
-    _store_rope(x_row, o_row, h_ok, o1, o2, 1.0, inv, w_ptr, HEAD, ROT, INTERLEAVED, BLOCK_H,
+        inv = head_inv_rms(x_row, h_ok, eps, HEAD, HEAD_PAD)
+    o1, o2 = rope_pairs(x_row, h_ok, cos, sin, inv, w_ptr, ROT, INTERLEAVED, BLOCK_H, HALF_PAD, NORM)
+    store_rope(x_row, o_row, h_ok, o1, o2, 1.0, inv, w_ptr, HEAD, ROT, INTERLEAVED, BLOCK_H,
                 HALF_PAD, TAIL_PAD, NORM)
 
 
@@ -203,13 +206,13 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, table_ptr, pos_ptr, sq_t, sq_h,
                    NUM_Q_BLOCKS: tl.constexpr):
     t = tl.program_id(0)
     blk = tl.program_id(1)  # head blocks of q first, then of k
-    cos, sin = _rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT, HALF_PAD)
+    cos, sin = rope_cos_sin(table_ptr, pos_ptr, t, s_table, ROT, HALF_PAD)
     if blk < NUM_Q_BLOCKS:
-        _rotate_heads(q_ptr, qo_ptr, sq_t, sq_h, sqo_t, sqo_h, t, blk * BLOCK_H, num_q_heads,
+        rotate_heads(q_ptr, qo_ptr, sq_t, sq_h, sqo_t, sqo_h, t, blk * BLOCK_H, num_q_heads,
                       cos, sin, q_ptr, 0.0, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD, TAIL_PAD,
                       False, 1)
     else:
-        _rotate_heads(k_ptr, ko_ptr, sk_t, sk_h, sko_t, sko_h, t, (blk - NUM_Q_BLOCKS) * BLOCK_H,
+        rotate_heads(k_ptr, ko_ptr, sk_t, sk_h, sko_t, sko_h, t, (blk - NUM_Q_BLOCKS) * BLOCK_H,
                       num_k_heads, cos, sin, k_ptr, 0.0, HEAD, ROT, INTERLEAVED, BLOCK_H, HALF_PAD,
                       TAIL_PAD, False, 1)
 
@@ -278,13 +281,13 @@ def rms_norm(
     n_rows = out.numel() // dim if dim else 0
     if n_rows:
         block_d = triton.next_power_of_2(dim)
-        block_r = min(triton.next_power_of_2(n_rows), max(1, _block_elems() // block_d))
+        block_r = min(triton.next_power_of_2(n_rows), max(1, block_elems() // block_d))
         grid = (triton.cdiv(n_rows, block_r),)
         _rms_norm_kernel[grid](
             rows_x, residual if residual is not None else rows_x, weight.contiguous(), out,
             res_out if res_out is not None else out, n_rows, heads, sx_t, sx_h, sr_t, sr_h,
             dim, float(eps), HAS_RES=residual is not None, ZERO_CENTERED=zero_centered,
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_warps(block_r * block_d, 16),
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps(block_r * block_d, 16),
         )  # fmt: skip
     return out if res_out is None else (out, res_out)
 
@@ -328,7 +331,7 @@ def rotary(
     half_pad = triton.next_power_of_2(max(rotary_dim // 2, 1))
     tail_pad = triton.next_power_of_2(max(head - rotary_dim, 1))
     most_heads = triton.next_power_of_2(max(num_q_heads, num_k_heads))
-    block_h = min(most_heads, max(1, _block_elems() // half_pad))
+    block_h = min(most_heads, max(1, block_elems() // half_pad))
     num_q_blocks = triton.cdiv(num_q_heads, block_h)
     grid = (t, num_q_blocks + triton.cdiv(num_k_heads, block_h))
     # no FMA contraction: x1 * c - x2 * s must round like the two products of the torch path
@@ -337,7 +340,7 @@ def rotary(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), table.stride(0),
         num_q_heads, num_k_heads, HEAD=head, ROT=rotary_dim, INTERLEAVED=bool(interleaved),
         BLOCK_H=block_h, HALF_PAD=half_pad, TAIL_PAD=tail_pad, NUM_Q_BLOCKS=num_q_blocks,
-        num_warps=_warps(block_h * half_pad, 4), enable_fp_fusion=False,
+        num_warps=warps(block_h * half_pad, 4), enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out
 
@@ -362,9 +365,9 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
         rows = rows.contiguous()
     if rows.shape[0] == 0 or inter == 0:
         return out
-    block = min(triton.next_power_of_2(inter), _block_elems() // 2)
+    block = min(triton.next_power_of_2(inter), block_elems() // 2)
     grid = (rows.shape[0], triton.cdiv(inter, block))
     _act_and_mul_kernel[grid](
-        rows, out, inter, rows.stride(0), ACT=ACT_IDS[act], BLOCK=block, num_warps=_warps(block)
+        rows, out, inter, rows.stride(0), ACT=ACT_IDS[act], BLOCK=block, num_warps=warps(block)
     )
     return out

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from attnserve import env
-from attnserve.ops.triton_fused import ACT_IDS, FUSED_ACTS, gated_product
+from attnserve.ops.dense.fused_triton import ACT_IDS, FUSED_ACTS, gated_product
 
 __all__ = ["CONFIGS", "MAX_M", "PROLOGUES", "GemvConfig", "act_and_mul_linear", "config_for", "linear",
            "rms_norm_linear"]

@@ -1,7 +1,7 @@
 """DSA lightning-indexer decode logits over fp8 keys as a Gluon (``triton.experimental.gluon``)
 Hopper kernel.
 
-The contract of the streaming path of ``ops/triton_indexer.indexer_logits`` for an fp8 cache
+The contract of the streaming path of ``ops/indexer/logits_triton.indexer_logits`` for an fp8 cache
 (one query token per request), restricted to DeepSeek-V3.2's shape: 64 heads x 128, pages of 64
 keys, q as e4m3 values (``float8_e4m3fn``, rotated and quantised by ``lightning_indexer_topk``).
 ``I[t, s] = scale[s] * sum_h w[t, h] * relu(dot_scale * q[t, h] . k[s])`` for ``s < limit``
@@ -14,7 +14,7 @@ Triton kernel's loads are 4 bytes wide and no TMA box can describe the rows. A w
 ``cp.async`` into a ring of ``STAGES`` page stages, ``STAGES - 1`` pages in flight. The ring has
 two views of the same bytes, whose stages are both 8448 bytes apart: a flat one of 256-byte rows
 (a page is 33; Gluon's async copy takes no padded layout, and a slice must start at a multiple of
-its power-of-two length, so a stage's rows go as up to 7 aligned pieces, ``_row_pieces``; the
+its power-of-two length, so a stage's rows go as up to 7 aligned pieces, ``row_pieces``; the
 stage of a page is therefore static: the page loop is unrolled ``STAGES`` times), and a padded one
 that reads them as [64 keys, 128] e4m3 (128 values, then 4 bytes skipped: the scale). The 64
 scales come by 4-byte ``cp.async`` (into a [64] fp32 stage, same commit group) from the same
@@ -66,13 +66,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.runtime.jit import constexpr_function
 
-from attnserve import env
 from attnserve.kvcache.fp8 import indexer_fp8_views
-from attnserve.ops.gluon_mla import _is_hopper
-from attnserve.ops.triton_mla import num_sms
+from attnserve.ops import launch as launch_helpers
+from attnserve.ops.launch import num_sms
 
-__all__ = ["check_indexer_gluon_inputs", "in_indexer_gluon_class", "indexer_gluon_takes",
-           "indexer_logits_gluon", "pick_variant"]  # fmt: skip
+__all__ = ["check_indexer_gluon_inputs", "indexer_logits_gluon", "pick_variant", "row_pieces"]
 
 HEADS, DIM, PAGE = 64, 128, 64  # DeepSeek-V3.2 / GLM-5 indexer heads, head dim; keys a page
 ROW_BYTES = DIM + 4  # e4m3 values, then the fp32 scale
@@ -118,7 +116,7 @@ def _pow2_at_least(n):
 
 
 @constexpr_function
-def _row_pieces(first, count):
+def row_pieces(first, count):
     """Rows [first, first + count) of the flat view as slices it can take (a slice's start is a
     multiple of its power-of-two length): ((start, length), ...), small to large to small."""
     pieces, cur, end = [], first, first + count
@@ -156,7 +154,7 @@ def _copy_page(cache_ptr, ks_ptr, blk, flat, scales, STAGE: gl.constexpr, COPY: 
     ROWS: gl.constexpr = 33
     PAGE_BYTES: gl.constexpr = ROWS * flat.shape[1]
     KEYS: gl.constexpr = scales.shape[0]
-    PIECES: gl.constexpr = _row_pieces(ROWS * STAGE, ROWS)
+    PIECES: gl.constexpr = row_pieces(ROWS * STAGE, ROWS)
     src = cache_ptr + blk.to(gl.int64) * PAGE_BYTES
     for i in gl.static_range(len(PIECES)):
         _copy_piece(flat, src, PIECES[i][0], PIECES[i][1], ROWS * STAGE, COPY)
@@ -344,27 +342,7 @@ def check_indexer_gluon_inputs(
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"inputs on several devices: {sorted(map(str, devices))}")
-    if q.device.type != "cuda" or not _is_hopper(q.device):
-        raise ValueError(f"indexer_logits_gluon runs on Hopper (sm_90) GPUs, not {q.device}")
-
-
-def in_indexer_gluon_class(q: torch.Tensor, head_weights: torch.Tensor,
-                           index_cache: torch.Tensor, max_query_len: int) -> bool:  # fmt: skip
-    """Shapes, dtypes and layout the kernel takes (what ``check_indexer_gluon_inputs`` checks of
-    q, the weights and the cache, as a bool): decode, e4m3 q [T, 64, 128], fp8 rows, page 64."""
-    return _class_problem(q, head_weights, index_cache, max_query_len) is None
-
-
-def indexer_gluon_takes(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor,
-                        max_query_len: int) -> bool:  # fmt: skip
-    """Whether an ``indexer_logits`` call goes to this kernel: inputs ``in_indexer_gluon_class``
-    on a Hopper GPU, and ``ATTNSERVE_GLUON`` not 0. Host-side only: no sync."""
-    return (
-        q.is_cuda
-        and env.gluon()
-        and in_indexer_gluon_class(q, head_weights, index_cache, max_query_len)
-        and _is_hopper(q.device)
-    )
+    launch_helpers.require_hopper(q.device, "indexer_logits_gluon")
 
 
 def _chunks(num_seqs: int, width: int, waves: int, device: torch.device) -> int:
@@ -410,6 +388,7 @@ def indexer_logits_gluon(
     width: int,
     dot_scale: float = 1.0,
     fill_hidden: bool = True,
+    max_query_len: int = 1,
     waves: int = WAVES,
     stages: int = STAGES,
     variant: str | None = None,
@@ -427,6 +406,7 @@ def indexer_logits_gluon(
         width: columns of the result (>= every visible key); dot_scale: before the ReLU.
         fill_hidden: -inf over the columns past each row's last visible page; False leaves
             them unwritten (for ``topk_rows``, which stops at each row's length).
+        max_query_len: must be 1 (``indexer_logits``' argument, so that both take one call).
         waves: programs, about ``waves`` x SMs.
         stages: page stages a program, 2..7 (``stages - 1`` pages in flight; 7: a 64 KB ring,
             two programs an SM).
@@ -447,6 +427,6 @@ def indexer_logits_gluon(
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     check_indexer_gluon_inputs(q, head_weights, index_cache, block_table, query_start_loc,
-                               seq_lens, positions)  # fmt: skip
+                               seq_lens, positions, max_query_len)  # fmt: skip
     return _launch(q, head_weights, index_cache, block_table, query_start_loc, seq_lens,
                    positions, width, dot_scale, fill_hidden, waves, stages, variant)  # fmt: skip

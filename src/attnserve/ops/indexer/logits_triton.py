@@ -10,16 +10,17 @@
     request's key tiles and loops over them with nothing but masks around the loads, so
     Triton's pipeliner overlaps the next tiles' loads with this tile's dot. Keys are the dot's
     rows ([block_s, D] x [D, heads]) and the head-weighted sum is a row reduction; on a GPU
-    fp8 keys go to the tensor cores as e4m3 (``IndexerConfig.fp8_dot``). With no config
-    given, fp8 decode on Hopper goes to the Gluon kernel instead (``ops/gluon_indexer``, whole
-    pages by 16-byte cp.async; ``ATTNSERVE_GLUON=0`` keeps this one).
+    fp8 keys go to the tensor cores as e4m3 (``IndexerConfig.fp8_dot``). On Hopper, fp8
+    decode has a Gluon twin with the same call (``ops/indexer/logits_gluon``, whole pages by
+    16-byte cp.async); which one runs is the kernel table's choice (``attention/kernels.py``).
 - ``lightning_indexer_topk``: prepares the head weights (and, for an fp8 cache, the Hadamard
-  rotation and per-(token, head) fp8 quantisation of q, in PyTorch), runs ``indexer_logits``
-  and keeps the best ``topk`` per row: decode rows with ``ops/triton_topk.topk_rows`` (radix
-  select reading each row only up to its length, so a CUDA graph's ``max_model_len`` columns
-  cost nothing past it), prefill rows with ``torch.topk`` (faster over many full-width rows:
-  H200, 512 rows of 32K, 260 us against 470); unused slots are -1. When no row can see more
-  than ``topk`` keys, every visible key is selected and nothing is scored.
+  rotation and per-(token, head) fp8 quantisation of q, in PyTorch), runs the given logits
+  launch (``indexer_logits`` by default) and keeps the best ``topk`` per row: decode rows with
+  the given select (``ops/indexer/topk_triton.topk_rows`` by default: radix select reading each
+  row only up to its length, so a CUDA graph's ``max_model_len`` columns cost nothing past it),
+  prefill rows with ``torch.topk`` (faster over many full-width rows: H200, 512 rows of 32K,
+  260 us against 470); unused slots are -1. When no row can see more than ``topk`` keys, every
+  visible key is selected and nothing is scored.
 
 Not here: writing the cache (``backends/torch_mla_sparse``), the projections and RoPE. The
 PyTorch twin is ``attention.reference_mla.indexer_topk``.
@@ -28,6 +29,7 @@ PyTorch twin is ``attention.reference_mla.indexer_topk``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,15 +38,15 @@ import triton.language as tl
 
 from attnserve import env
 from attnserve.kvcache.fp8 import hadamard, indexer_fp8_views, quantize_act_fp8
-from attnserve.ops.gluon_indexer import indexer_gluon_takes, indexer_logits_gluon
-from attnserve.ops.triton_mla import _pow2, compute_dtype, num_sms
-from attnserve.ops.triton_topk import topk_rows
+from attnserve.ops.indexer.topk_triton import topk_rows
+from attnserve.ops.launch import compute_dtype, num_sms, pow2
 
 __all__ = [
     "IndexerConfig",
     "indexer_logits",
     "lightning_indexer_topk",
     "pick_indexer_config",
+    "row_align",
     "topk_from_logits",
 ]
 
@@ -103,7 +105,7 @@ def pick_indexer_config(
     checked with ``benchmarks/gpu_mla.py`` (its sweep)."""
     if interpret is None:
         interpret = env.triton_interpret()
-    heads_pad = _pow2(num_heads, 16)
+    heads_pad = pow2(num_heads, 16)
     small = interpret or dtype == torch.float32
     if max_query_len == 1:
         if interpret:
@@ -117,7 +119,7 @@ def pick_indexer_config(
             return IndexerConfig(1, 128, 4, 3)
         return IndexerConfig(1, 32 if small else 64, 4, 5, stream=True)
     block_t = max(1, (64 if small else 128) // heads_pad)
-    block_t = min(block_t, _pow2(max_query_len))
+    block_t = min(block_t, pow2(max_query_len))
     return IndexerConfig(block_t, 64, 4 if small else 8, 1 if interpret else 2)
 
 
@@ -329,9 +331,8 @@ def indexer_logits(
             rows ``qsl[i]:qsl[i+1]``); seq_lens: [B] int32; positions: [T] int64.
         width: columns of the result (>= every visible key); max_query_len: host bound.
         dot_scale: multiplies q . k before the ReLU (D^-0.5 exact, 1 for fp8).
-        config: launch shape; default ``pick_indexer_config``, or, for fp8 decode on Hopper
-            (``gluon_indexer.indexer_gluon_takes``), the Gluon kernel. A streaming config
-            needs ``max_query_len`` 1.
+        config: launch shape; default ``pick_indexer_config``. A streaming config needs
+            ``max_query_len`` 1.
         fill_hidden: write -inf over key tiles no token of a block sees (past a sequence's
             length or every token's position); False leaves them unwritten, for a reader that
             stops at each row's visible length (``topk_rows``), which saves the writes of a
@@ -346,11 +347,6 @@ def indexer_logits(
     if keys.shape[-1] != dim or head_weights.shape != (num_tokens, heads):
         raise ValueError(f"q {tuple(q.shape)}, head_weights {tuple(head_weights.shape)} and "
                          f"keys {tuple(keys.shape)} disagree")  # fmt: skip
-    if config is None and indexer_gluon_takes(q, head_weights, index_cache, max_query_len):
-        # fp8 decode on Hopper: whole pages by 16-byte cp.async (ops/gluon_indexer)
-        return indexer_logits_gluon(q, head_weights, index_cache, block_table, query_start_loc,
-                                    seq_lens, positions, width=width, dot_scale=dot_scale,
-                                    fill_hidden=fill_hidden)  # fmt: skip
     cfg = config or pick_indexer_config(heads, max_query_len, q.dtype, interpret, fp8=fp8,
                                         num_seqs=seq_lens.shape[0])
     if cfg.stream and max_query_len != 1:
@@ -368,8 +364,8 @@ def indexer_logits(
             dot_scale)
     strides = (q.stride(0), q.stride(1), head_weights.stride(0), out.stride(0),
                block_table.stride(0), *keys.stride()[:2], *k_scale.stride()[:2])
-    meta = dict(H=heads, D=dim, D_PAD=_pow2(dim, 16), PAGE=index_cache.shape[1],
-                BLOCK_S=cfg.block_s, ALIGN=_row_align(keys), FP8=fp8, DT=dt,
+    meta = dict(H=heads, D=dim, D_PAD=pow2(dim, 16), PAGE=index_cache.shape[1],
+                BLOCK_S=cfg.block_s, ALIGN=row_align(keys), FP8=fp8, DT=dt,
                 PRECISION="ieee" if dt == tl.float32 else "tf32", FILL_HIDDEN=fill_hidden,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     total_tiles = triton.cdiv(width, cfg.block_s)
@@ -377,20 +373,20 @@ def indexer_logits(
     if cfg.stream:
         chunks = _stream_chunks(num_seqs, total_tiles, cfg.waves, q.device, interpret)
         _indexer_stream_kernel[(num_seqs, chunks)](
-            *args, width, *strides, H_PAD=_pow2(heads, 16), MIN_TILES=MIN_TILES,
+            *args, width, *strides, H_PAD=pow2(heads, 16), MIN_TILES=MIN_TILES,
             INTERPRET=interpret, **meta)
         return out
     decode_only = max_query_len == 1
     num_q_blocks = num_seqs if decode_only else num_tokens // cfg.block_t + num_seqs
     key_tiles = cfg.key_tiles or _key_tiles(num_q_blocks, total_tiles, q.device, interpret)
     _indexer_kernel[(num_q_blocks, triton.cdiv(total_tiles, key_tiles))](
-        *args, num_seqs, width, *strides, H_PAD=_pow2(heads, max(1, 16 // cfg.block_t)),
+        *args, num_seqs, width, *strides, H_PAD=pow2(heads, max(1, 16 // cfg.block_t)),
         BLOCK_T=cfg.block_t, KEY_TILES=key_tiles, DECODE_ONLY=decode_only, **meta)
     # fmt: on
     return out
 
 
-def _row_align(keys: torch.Tensor) -> int:
+def row_align(keys: torch.Tensor) -> int:
     """The largest power of two, up to 16 bytes' worth of elements, dividing every key row's
     offset (the block and row strides)."""
     stride = math.gcd(keys.stride(0), keys.stride(1))
@@ -439,6 +435,8 @@ def lightning_indexer_topk(
     max_query_len: int,
     max_seq_len: int,
     config: IndexerConfig | None = None,
+    logits: Callable[..., torch.Tensor] | None = None,
+    select: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The DSA indexer step: the ``topk`` best visible keys of every query token.
 
@@ -451,7 +449,11 @@ def lightning_indexer_topk(
             position must be below its request's length.
         topk: output width; max_query_len, max_seq_len: host-side bounds. ``max_query_len``
             1 means a decode batch: row i is request i's one token.
-        config: launch shape of the logits kernel.
+        config: launch shape of ``indexer_logits`` (only with the default ``logits``).
+        logits: the scores' launch, ``indexer_logits``' call (the plan's ``indexer.decode`` or
+            ``indexer.prefill`` variant); default ``indexer_logits``.
+        select: decode rows' top-k, ``topk_rows``' call (``indexer.topk_decode``); default
+            ``topk_rows``.
     Returns:
         [T, topk] int32 absolute positions, -1 in unused slots; a set: decode rows come in
         increasing order (``topk_rows``), prefill rows best first (``torch.topk``); when
@@ -471,14 +473,17 @@ def lightning_indexer_topk(
         q_in, head_weights, dot_scale = q, weights.float() * heads**-0.5, dim**-0.5
     decode = max_query_len == 1
     # fmt: off
-    logits = indexer_logits(
+    extra = {}
+    if logits is None:
+        logits, extra = indexer_logits, {"config": config}
+    scores = logits(
         q_in, head_weights.contiguous(), index_cache, block_table, query_start_loc, seq_lens,
         positions, width=max_seq_len, max_query_len=max_query_len, dot_scale=dot_scale,
-        config=config, fill_hidden=not decode,
+        fill_hidden=not decode, **extra,
     )
     # fmt: on
     if not decode:  # many full-width rows: torch.topk's multi-block select is faster there
-        return topk_from_logits(logits, topk)
+        return topk_from_logits(scores, topk)
     # decode rows read only up to their own length (a CUDA graph's width is max_model_len);
     # one request per row, and a decode token is its request's last position
-    return topk_rows(logits, torch.minimum(positions + 1, seq_lens.to(positions.dtype)), topk)
+    return (select or topk_rows)(scores, torch.minimum(positions + 1, seq_lens.to(positions.dtype)), topk)

@@ -18,7 +18,7 @@ same result whatever the launch order (no atomics decide a position).
 
 The result is a set in position order, not best first: sparse attention does not depend on
 the order of its keys. ``-inf`` marks a column that is not a candidate (masked keys).
-The PyTorch twin is ``ops.triton_indexer.topk_from_logits`` (``torch.topk``).
+The PyTorch twin is ``ops.indexer.logits_triton.topk_from_logits`` (``torch.topk``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Absorbed MLA decode at 64+ heads as a Gluon (``triton.experimental.gluon``) Hopper kernel.
 
-The contract of ``ops/triton_mla.mla_decode`` restricted to the DeepSeek shape: bf16 queries and
+The contract of ``ops/mla/decode_triton.mla_decode`` restricted to the DeepSeek shape: bf16 queries and
 latent rows (``kv_lora_rank`` 512 + rope 64), 64-row pages, heads a multiple of 64 or fewer
 than 64 (16 or 32: DeepSeek-V2-Lite, V3 split over GPUs; the program's other rows are padding,
 zero queries whose outputs are never stored), one query row per request. A program (8 warps: two warp groups) owns 64 heads of one request and walks its
@@ -8,7 +8,7 @@ pages, one page a key tile; long contexts are split over programs (split-KV) who
 ``triton_mla.merge_splits`` combines, in the same [rows, heads, splits, L] fp32 + lse (log2)
 layout as ``prepare_latent_launch``.
 
-What the layouts say, against the Triton kernel (``ops/triton_mla_tma``): every MMA uses
+What the layouts say, against the Triton kernel (``ops/mla/decode_triton_tma``): every MMA uses
 ``warps_per_cta [4, 2]``, so the two warp groups split the N dimension instead of both doing
 all of M = 64. The scores [64 heads, 64 keys] are computed once: each warp group takes 32 keys
 (the row max is one cross-warp reduction per tile; the row sum is kept per column and reduced
@@ -36,8 +36,6 @@ numbers come from ``benchmarks/gpu_mla_gluon.py`` on a Hopper GPU. The PyTorch t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -45,22 +43,27 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from attnserve import env
-from attnserve.ops.triton_mla import LOG2E, MLAConfig, pick_mla_splits, prepare_latent_launch
+from attnserve.ops import launch as launch_helpers
+from attnserve.ops.hopper import issue_pv, store_p, zero_rows_from
+from attnserve.ops.mla.gluon_tiles import (
+    HEADS_PER_PROGRAM,
+    KV_LORA_RANK,
+    MAX_GRID_Y,
+    PAGE,
+    ROPE,
+    SHAPE,
+    issue_scores,
+    load_q_heads,
+    softmax_page,
+    store_out,
+)
+from attnserve.ops.mla.latent import LOG2E, pick_mla_splits, prepare_latent_launch
 
-__all__ = ["KV_LORA_RANK", "PAGE", "ROPE", "check_gluon_inputs", "gluon_takes", "in_gluon_class",
-           "mla_decode_gluon"]
-
-KV_LORA_RANK, ROPE, PAGE, HEADS_PER_PROGRAM = 512, 64, 64, 64
-# what prepare_latent_launch sizes the partials and the default splits by: 64 heads a program,
-# 64-key tiles, 8 warps (it launches nothing with it)
-_SHAPE = MLAConfig(HEADS_PER_PROGRAM, PAGE, 8, 1)
-_MAX_GRID_Y = 65535  # rows are the grid's second dimension
+__all__ = ["check_gluon_inputs", "mla_decode_gluon"]
 
 
 # Kernels keep their dense argument lists: one argument per line would triple their length.
@@ -82,116 +85,16 @@ def _issue_page_load(kv_desc, pe_desc, bars, kv0_bufs, kv1_bufs, pe_bufs, bt_row
 
 
 @gluon.jit
-def _zero_rows_from(buf, first, LAYOUT: gl.constexpr):
-    """Rows ``first..`` of a [PAGE, N] shared tile set to 0 (through registers)."""
-    rows = gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, LAYOUT))
-    x = buf.load(LAYOUT)
-    buf.store(gl.where((rows < first)[:, None], x, gl.zeros_like(x)))
-
-
-@gluon.jit
 def _zero_stale_rows(kv0, kv1, seq_len, tile, LAYOUT: gl.constexpr):
     """If key tile ``tile`` (in shared memory as kv0, kv1) is the page the sequence ends inside,
     zero its value rows past the sequence, so P @ V meets 0 there, never stale data or NaN."""
     PAGE_: gl.constexpr = kv0.shape[0]
     num_full = seq_len // PAGE_
     if tile == num_full:  # only when seq_len % PAGE: tiles stop before num_full otherwise
-        _zero_rows_from(kv0, seq_len - num_full * PAGE_, LAYOUT)
-        _zero_rows_from(kv1, seq_len - num_full * PAGE_, LAYOUT)
+        zero_rows_from(kv0, seq_len - num_full * PAGE_, LAYOUT)
+        zero_rows_from(kv1, seq_len - num_full * PAGE_, LAYOUT)
         fence_async_shared()  # generic-proxy stores, then async-proxy (wgmma) reads
         gl.thread_barrier()
-
-
-@gluon.jit
-def _issue_scores(q0_smem, q1_smem, qpe_smem, kv0, kv1, pe, S_LAYOUT: gl.constexpr):
-    """Async S = Q K^T over the page's three column ranges: three wgmma groups, one result."""
-    M: gl.constexpr = q0_smem.shape[0]
-    N: gl.constexpr = kv0.shape[0]
-    s = gl.zeros([M, N], gl.float32, S_LAYOUT)
-    s = warpgroup_mma(q0_smem, kv0.permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma(q1_smem, kv1.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma(qpe_smem, pe.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _softmax_page(s, m_i, l_part, k0, seq_len, qk_scale, S_LAYOUT: gl.constexpr):
-    """Online-softmax step (log2 units) over keys k0..k0+PAGE: P, new max, the per-column row
-    sums (reduced over columns only at the end), and the rescale of the old accumulator."""
-    keys = k0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, S_LAYOUT))
-    s = gl.where((keys < seq_len)[None, :], s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    return p, m_new, l_part * alpha[:, None] + p, alpha
-
-
-@gluon.jit
-def _issue_pv(p_smem, kv0, kv1, acc0, acc1):
-    """Async acc_h += P V_h for both value halves (each warp group: its 128 columns of each)."""
-    acc0 = warpgroup_mma(p_smem, kv0, acc0, is_async=True)
-    acc1 = warpgroup_mma(p_smem, kv1, acc1, is_async=True)
-    return acc0, acc1
-
-
-@gluon.jit
-def _store_p(p_smem, p):
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()  # visible to the next wgmma (async proxy) ...
-    gl.thread_barrier()  # ... of both warp groups
-
-
-@gluon.jit
-def _load_q_heads(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, num_heads, stride_qt, stride_qh,
-                  LAYOUT: gl.constexpr):
-    """The program's 64 absorbed query rows [c ; rope] into shared memory, by plain loads; rows
-    of heads past ``num_heads`` (fewer than 64 heads: padding rows) are 0."""
-    HALF: gl.constexpr = q0_smem.shape[1]
-    heads = head0 + gl.arange(0, q0_smem.shape[0], layout=gl.SliceLayout(1, LAYOUT))
-    rows = q_ptr + seq.to(gl.int64) * stride_qt + heads * stride_qh  # [64] row pointers
-    dh = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT))
-    dr = gl.arange(0, qpe_smem.shape[1], layout=gl.SliceLayout(0, LAYOUT))
-    mh = (heads < num_heads)[:, None] & (dh < HALF)[None, :]
-    mr = (heads < num_heads)[:, None] & (dr < qpe_smem.shape[1])[None, :]
-    q0_smem.store(gl.load(rows[:, None] + dh[None, :], mask=mh, other=0.0))
-    q1_smem.store(gl.load(rows[:, None] + HALF + dh[None, :], mask=mh, other=0.0))
-    qpe_smem.store(gl.load(rows[:, None] + 2 * HALF + dr[None, :], mask=mr, other=0.0))
-
-
-@gluon.jit
-def _load_q(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, stride_qt, stride_qh,
-            LAYOUT: gl.constexpr):
-    """The program's 64 absorbed query rows, all of them heads (64+ heads, a multiple of 64)."""
-    _load_q_heads(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, head0 + q0_smem.shape[0],
-                  stride_qt, stride_qh, LAYOUT)
-
-
-@gluon.jit
-def _store_out(out_ptr, part_out_ptr, part_lse_ptr, acc0, acc1, m_i, l_part, seq, head0, split,
-               num_heads, num_splits, stride_ot, stride_oh, SPLIT: gl.constexpr,
-               S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
-    """Normalised rows (0 where no key was seen) to ``out``, or with SPLIT to the fp32 partials
-    [row, head, split, L] and their lse (log2 units, -inf when empty)."""
-    HALF: gl.constexpr = acc0.shape[1]
-    l_sum = gl.sum(l_part, axis=1)
-    l_o = gl.convert_layout(l_sum, gl.SliceLayout(1, O_LAYOUT), assert_trivial=True)
-    inv = gl.where(l_o > 0.0, 1.0 / gl.where(l_o > 0.0, l_o, 1.0), 0.0)[:, None]
-    heads = head0 + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, O_LAYOUT))
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT))
-    keep = (heads < num_heads)[:, None] & (cols < HALF)[None, :]  # padding rows are not stored
-    if SPLIT:
-        part = (seq.to(gl.int64) * num_heads + heads) * num_splits + split
-        dst = part_out_ptr + part[:, None] * (2 * HALF) + cols[None, :]
-        gl.store(dst, acc0 * inv, mask=keep)
-        gl.store(dst + HALF, acc1 * inv, mask=keep)
-        heads_s = head0 + gl.arange(0, acc0.shape[0], layout=gl.SliceLayout(1, S_LAYOUT))
-        part_s = (seq.to(gl.int64) * num_heads + heads_s) * num_splits + split
-        lse = gl.where(l_sum > 0.0, m_i + gl.log2(gl.where(l_sum > 0.0, l_sum, 1.0)), float("-inf"))
-        gl.store(part_lse_ptr + part_s, lse, mask=heads_s < num_heads)
-    else:
-        dst = out_ptr + seq.to(gl.int64) * stride_ot + heads[:, None] * stride_oh + cols[None, :]
-        dt: gl.constexpr = out_ptr.dtype.element_ty
-        gl.store(dst, (acc0 * inv).to(dt), mask=keep)
-        gl.store(dst + HALF, (acc1 * inv).to(dt), mask=keep)
 
 
 @gluon.jit(do_not_specialize=("num_splits", "stride_bt"),  # per step: no variant per class
@@ -232,7 +135,7 @@ def _mla_decode_gluon_kernel(q_ptr, kv_desc, pe_desc, out_ptr, part_out_ptr, par
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
-    _load_q_heads(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, num_heads, stride_qt, stride_qh,
+    load_q_heads(q_ptr, q0_smem, q1_smem, qpe_smem, seq, head0, num_heads, stride_qt, stride_qh,
                   LD_LAYOUT)
     fence_async_shared()
     gl.thread_barrier()
@@ -245,20 +148,20 @@ def _mla_decode_gluon_kernel(q_ptr, kv_desc, pe_desc, out_ptr, part_out_ptr, par
         _issue_page_load(kv_desc, pe_desc, bars, kv0_bufs, kv1_bufs, pe_bufs, bt_row, lo, 0, n)
         _issue_page_load(kv_desc, pe_desc, bars, kv0_bufs, kv1_bufs, pe_bufs, bt_row, lo, 1, n)
         mbarrier.wait(bars.index(0), 0)
-        s = _issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(0), kv1_bufs.index(0),
+        s = issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(0), kv1_bufs.index(0),
                           pe_bufs.index(0), S_LAYOUT)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, l_part, alpha = _softmax_page(s, m_i, l_part, lo * PAGE_, seq_len, qk_scale,
+        p, m_i, l_part, alpha = softmax_page(s, m_i, l_part, lo * PAGE_, seq_len, qk_scale,
                                               S_LAYOUT)
-        _store_p(p_smem, p)
+        store_p(p_smem, p)
         for j in range(1, n):
             cur = (j - 1) % 2
             nxt = j % 2
             # issue order = completion order: P @ V of page j - 1, then the scores of page j,
             # back to back on the tensor cores
-            acc0, acc1 = _issue_pv(p_smem, kv0_bufs.index(cur), kv1_bufs.index(cur), acc0, acc1)
+            acc0, acc1 = issue_pv(p_smem, kv0_bufs.index(cur), kv1_bufs.index(cur), acc0, acc1)
             mbarrier.wait(bars.index(nxt), (j // 2) & 1)
-            s = _issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(nxt),
+            s = issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(nxt),
                               kv1_bufs.index(nxt), pe_bufs.index(nxt), S_LAYOUT)
             acc0, acc1 = warpgroup_mma_wait(3, deps=(acc0, acc1))  # P @ V done, scores running
             gl.thread_barrier()  # both warp groups are done with stage cur and with P
@@ -267,22 +170,22 @@ def _mla_decode_gluon_kernel(q_ptr, kv_desc, pe_desc, out_ptr, part_out_ptr, par
             _issue_page_load(kv_desc, pe_desc, bars, kv0_bufs, kv1_bufs, pe_bufs, bt_row, lo,
                              j + 1, n)
             s = warpgroup_mma_wait(0, deps=(s,))
-            p, m_i, l_part, alpha = _softmax_page(s, m_i, l_part, (lo + j) * PAGE_, seq_len,
+            p, m_i, l_part, alpha = softmax_page(s, m_i, l_part, (lo + j) * PAGE_, seq_len,
                                                   qk_scale, S_LAYOUT)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT), assert_trivial=True)
             acc0 = acc0 * alpha_o[:, None]
             acc1 = acc1 * alpha_o[:, None]
-            _store_p(p_smem, p)
+            store_p(p_smem, p)
         last = (n - 1) % 2
         # the scores of the last page are done; if the sequence ends inside it, its stale
         # value rows are zeroed now, with no MMA in flight
         _zero_stale_rows(kv0_bufs.index(last), kv1_bufs.index(last), seq_len, lo + n - 1,
                          LD_LAYOUT)
-        acc0, acc1 = _issue_pv(p_smem, kv0_bufs.index(last), kv1_bufs.index(last), acc0, acc1)
+        acc0, acc1 = issue_pv(p_smem, kv0_bufs.index(last), kv1_bufs.index(last), acc0, acc1)
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
     for i in gl.static_range(2):
         mbarrier.invalidate(bars.index(i))
-    _store_out(out_ptr, part_out_ptr, part_lse_ptr, acc0, acc1, m_i, l_part, seq, head0, split,
+    store_out(out_ptr, part_out_ptr, part_lse_ptr, acc0, acc1, m_i, l_part, seq, head0, split,
                num_heads, num_splits, stride_ot, stride_oh, SPLIT, S_LAYOUT, O_LAYOUT)
 # fmt: on
 
@@ -303,8 +206,8 @@ def check_gluon_inputs(
     if not _heads_fit(q.shape[1]):
         raise ValueError(f"heads must be a multiple of {HEADS_PER_PROGRAM} or fewer, got "
                          f"{q.shape[1]}")  # fmt: skip
-    if q.shape[0] > _MAX_GRID_Y:
-        raise ValueError(f"at most {_MAX_GRID_Y} query rows a launch, got {q.shape[0]}")
+    if q.shape[0] > MAX_GRID_Y:
+        raise ValueError(f"at most {MAX_GRID_Y} query rows a launch, got {q.shape[0]}")
     want = (PAGE, KV_LORA_RANK + ROPE)
     if latent_cache.dim() != 3 or tuple(latent_cache.shape[1:]) != want:
         raise ValueError(f"latent cache must be [blocks, {want[0]}, {want[1]}], got "
@@ -326,49 +229,13 @@ def check_gluon_inputs(
     devices = {t.device for t in (q, latent_cache, block_table, seq_lens)}
     if len(devices) != 1:
         raise ValueError(f"inputs on several devices: {sorted(map(str, devices))}")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError(f"mla_decode_gluon runs on Hopper (sm_90) GPUs, not {q.device}")
+    launch_helpers.require_hopper(q.device, "mla_decode_gluon")
 
 
 def _heads_fit(heads: int) -> bool:
     """64 heads a program: a multiple of 64, or fewer heads in one program whose other rows
     are padding (zero queries, never stored)."""
     return 0 < heads < HEADS_PER_PROGRAM or (heads > 0 and heads % HEADS_PER_PROGRAM == 0)
-
-
-@functools.lru_cache(maxsize=16)
-def _is_hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
-def in_gluon_class(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Shapes, dtypes and layout the kernel takes (what ``check_gluon_inputs`` checks of q and
-    the cache, as a bool): bf16, rank 512 + rope 64, 64-row pages, heads a multiple of 64."""
-    return (
-        kv_lora_rank == KV_LORA_RANK
-        and q.dim() == 3
-        and _heads_fit(q.shape[1])
-        and q.shape[2] == KV_LORA_RANK + ROPE
-        and q.shape[0] <= _MAX_GRID_Y
-        and q.stride(-1) == 1
-        and q.dtype == torch.bfloat16
-        and latent_cache.dtype == torch.bfloat16
-        and latent_cache.dim() == 3
-        and tuple(latent_cache.shape[1:]) == (PAGE, KV_LORA_RANK + ROPE)
-        and latent_cache.is_contiguous()
-        and latent_cache.data_ptr() % 16 == 0
-    )
-
-
-def gluon_takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Whether a dense decode goes to this kernel: inputs ``in_gluon_class`` on a Hopper GPU,
-    and ``ATTNSERVE_GLUON`` not 0. Host-side only: no sync."""
-    return (
-        q.is_cuda
-        and env.gluon()
-        and in_gluon_class(q, latent_cache, kv_lora_rank)
-        and _is_hopper(q.device)
-    )
 
 
 def _descriptors(latent_cache: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -392,7 +259,7 @@ def _launch(q, latent_cache, block_table, seq_lens, scale, max_seq_len, out, num
         num_splits = pick_mla_splits(q.shape[0], max_seq_len, q.device, min_keys=256,
                                      one_wave=True)  # fmt: skip
     launch = prepare_latent_launch(
-        q, latent_cache, KV_LORA_RANK, max_seq_len, out, num_splits, _SHAPE
+        q, latent_cache, KV_LORA_RANK, max_seq_len, out, num_splits, SHAPE
     )
     if q.shape[0] == 0:
         return launch.out

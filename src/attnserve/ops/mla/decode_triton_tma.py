@@ -1,7 +1,7 @@
 """Absorbed MLA decode whose key tiles arrive by TMA: whole pages of latent rows, no gathers.
 
-The same contract as ``ops/triton_mla.mla_decode`` (which calls it when ``MLAConfig.tma`` is set
-and the cache allows it): one absorbed query row per program and head block, walking its block
+The same contract as ``ops/mla/decode_triton.mla_decode`` (``mla_decode_tma`` below, where
+``tma_fits`` says the cache allows it; ``attention/kernels.py`` picks it): one absorbed query row per program and head block, walking its block
 table. Where the page is at least the key tile (``block_size % block_n == 0``) a tile of
 ``block_n`` keys is ``block_n`` consecutive rows of one page, so it is one tensor-descriptor load
 (Hopper's TMA engine copies it to shared memory; no per-row address registers, no masks). The
@@ -22,9 +22,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from attnserve.ops.triton_softmax import softmax_step
+from attnserve.ops.launch import has_tma
+from attnserve.ops.mla.latent import LOG2E, MLAConfig, prepare_latent_launch
+from attnserve.ops.tiles import softmax_step
 
-__all__ = ["mla_decode_tma_kernel", "tma_descriptors", "tma_fits"]
+__all__ = ["mla_decode_tma", "mla_decode_tma_kernel", "tma_descriptors", "tma_fits"]
 
 
 def _is_pow2(n: int) -> bool:
@@ -173,3 +175,47 @@ def mla_decode_tma_kernel(q_ptr, kv_desc, pe_desc, rows_ptr, out_ptr, part_out_p
         out_rows = out_ptr + seq.to(tl.int64) * stride_ot + heads * stride_oh
         _store_halves(out_rows, part_lse_ptr, acc0, acc1, m_i, l_i, head_ok, False, HALF)
 # fmt: on
+
+
+def mla_decode_tma(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: MLAConfig | None = None,
+) -> torch.Tensor:
+    """``decode_triton.mla_decode``'s contract (the same arguments and result) with key tiles by
+    TMA.
+
+    Raises:
+        ValueError: a cache ``tma_fits`` refuses with the config's key tile, or a device
+            without tensor-descriptor loads (before Hopper).
+    """
+    launch = prepare_latent_launch(q, latent_cache, kv_lora_rank, max_seq_len, out, num_splits, config)
+    cfg = launch.config
+    if not has_tma(q.device):
+        raise ValueError(f"the TMA decode kernel needs tensor-descriptor loads (Hopper or later), not {q.device}")
+    if not tma_fits(latent_cache, kv_lora_rank, cfg.block_n):
+        raise ValueError(f"a latent cache of shape {tuple(latent_cache.shape)} and {latent_cache.dtype} cannot "
+                         f"feed {cfg.block_n}-key TMA tiles (tma_fits)")
+    if q.shape[0] == 0:
+        return launch.out
+    o = launch.out
+    meta = {k: launch.meta[k] for k in ("PAGE", "L", "R", "BLOCK_H", "BLOCK_N", "DT", "PRECISION",
+                                        "SPLIT", "INTERPRET", "num_warps", "num_stages")}  # fmt: skip
+    rows = latent_cache.view(-1, latent_cache.shape[-1])
+    # fmt: off
+    mla_decode_tma_kernel[launch.grid](
+        q, *tma_descriptors(latent_cache, kv_lora_rank, cfg.block_n), rows, o,
+        launch.part_out, launch.part_lse, block_table, seq_lens, scale * LOG2E, q.shape[1],
+        launch.num_splits, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        block_table.stride(0), rows.stride(0), **meta,
+    )
+    # fmt: on
+    return launch.finish()

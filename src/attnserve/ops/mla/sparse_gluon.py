@@ -1,10 +1,10 @@
 """Sparse absorbed MLA (DSA: DeepSeek-V3.2, GLM-5) at 64+ heads as a Gluon Hopper kernel.
 
-``ops/triton_mla_sparse.sparse_mla``'s contract restricted to bf16 latent rows (rank 512 +
+``ops/mla/sparse_triton.sparse_mla``'s contract restricted to bf16 latent rows (rank 512 +
 rope 64, any page size), heads a multiple of 64: each query row (a decode or a prefill token)
 attends only its top-k selected rows, ``topk_indices`` [T, K] absolute positions of its
 request (``token_req``), -1 unused, positions at or past the request's length skipped; a row
-with none gets 0. The design is ``ops/gluon_mla``'s (whose jit helpers it imports): a program
+with none gets 0. The design is ``ops/mla/decode_gluon``'s (whose jit helpers it imports): a program
 of 8 warps owns 64 heads of one query row, every MMA uses ``warps_per_cta [4, 2]`` (the two warp
 groups split N), Q stays in shared memory, P goes through shared memory, and P @ V of tile t is
 issued back to back with the scores of tile t + 1. Split-KV runs over the K indices, with
@@ -45,52 +45,29 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma_wait
 
-from attnserve import env
-from attnserve.kvcache.fp8 import mla_fp8_row_bytes
-from attnserve.ops.gluon_mla import (
-    _SHAPE,
-    HEADS_PER_PROGRAM,
+from attnserve.ops import launch as launch_helpers
+from attnserve.ops.hopper import issue_pv, store_p
+from attnserve.ops.mla.gluon_tiles import (
     KV_LORA_RANK,
-    ROPE,
-    _is_hopper,
-    _issue_pv,
-    _issue_scores,
-    _load_q,
-    _softmax_page,
-    _store_out,
-    _store_p,
+    KV_SMEM,
+    PE_SMEM,
+    SHAPE,
+    TILE,
+    issue_scores,
+    load_q,
+    softmax_tile,
+    sparse_class_problem,
+    store_out,
+    tile_positions,
+    tile_slots,
 )
-from attnserve.ops.triton_mla import LOG2E, prepare_latent_launch
+from attnserve.ops.mla.latent import LOG2E, prepare_latent_launch
 
-__all__ = ["check_sparse_gluon_inputs", "in_sparse_gluon_class", "sparse_gluon_takes",
-           "sparse_mla_gluon"]  # fmt: skip
-
-TILE = gl.constexpr(64)  # selected rows a key tile (a constexpr: the kernels read it)
-_MAX_GRID_Y = 65535  # query rows are the grid's second dimension
-# 128-byte-swizzled shared tiles as the wgmma reads them: value halves [64, 256], rope and P [64, 64]
-_KV_SMEM = gl.NVMMASharedLayout.get_default_for([TILE.value, KV_LORA_RANK // 2], gl.bfloat16)
-_PE_SMEM = gl.NVMMASharedLayout.get_default_for([TILE.value, ROPE], gl.bfloat16)
+__all__ = ["check_sparse_gluon_inputs", "sparse_mla_gluon"]
 
 
 # Kernels keep their dense argument lists: one argument per line would triple their length.
 # fmt: off
-@gluon.jit
-def _tile_positions(idx_row, t, end, seq_len, LAYOUT: gl.constexpr):
-    """Positions [TILE] (in LAYOUT) of key tile t's selected rows: -1 where the slot is unused,
-    past the split's indices (``end``) or at / past the request's length."""
-    kk = t * TILE + gl.arange(0, TILE, layout=LAYOUT)
-    pos = gl.load(idx_row + kk, mask=kk < end, other=-1)
-    return gl.where((pos >= 0) & (pos < seq_len), pos, -1)
-
-
-@gluon.jit
-def _tile_slots(bt_row, pos, PAGE_SIZE: gl.constexpr):
-    """Cache slots of the positions (-1 stays -1), through the request's block table."""
-    ok = pos >= 0
-    blk = gl.load(bt_row + pos // PAGE_SIZE, mask=ok, other=0)
-    return gl.where(ok, blk * PAGE_SIZE + pos % PAGE_SIZE, -1)
-
-
 @gluon.jit
 def _gather_tile(cache_ptr, slots, kv0, kv1, pe, LAYOUT: gl.constexpr):
     """cp.async of the 64 rows at ``slots`` [TILE] (SliceLayout(1, LAYOUT)) into one stage:
@@ -114,14 +91,6 @@ def _tile_landed():
     async_copy.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
-
-
-@gluon.jit
-def _softmax_tile(s, m_i, l_part, pos, qk_scale, S_LAYOUT: gl.constexpr):
-    """``_softmax_page`` over a gathered tile: unused keys (pos -1) masked to -inf first (the
-    page step's own position mask is then all true)."""
-    s = gl.where((pos >= 0)[None, :], s, float("-inf"))
-    return _softmax_page(s, m_i, l_part, 0, s.shape[1], qk_scale, S_LAYOUT)
 
 
 @gluon.jit(do_not_specialize=("num_splits", "num_idx", "stride_bt"),  # per step
@@ -173,10 +142,10 @@ def _sparse_mla_gluon_kernel(q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_p
     if n > 0:
         # the index and block-table loads of tiles 0 and 1 first, then both gathers, then Q
         # by plain loads while the gathers are in flight
-        pos0 = _tile_positions(idx_row, lo, end, seq_len, ROW_SLICE)
-        pos1 = _tile_positions(idx_row, lo + 1, end, seq_len, ROW_SLICE)
-        slots0 = _tile_slots(bt_row, pos0, PAGE_SIZE)
-        slots = _tile_slots(bt_row, pos1, PAGE_SIZE)
+        pos0 = tile_positions(idx_row, lo, end, seq_len, ROW_SLICE)
+        pos1 = tile_positions(idx_row, lo + 1, end, seq_len, ROW_SLICE)
+        slots0 = tile_slots(bt_row, pos0, PAGE_SIZE)
+        slots = tile_slots(bt_row, pos1, PAGE_SIZE)
         _gather_tile(cache_ptr, slots0, kv0_bufs.index(0), kv1_bufs.index(0), pe_bufs.index(0),
                      LD_LAYOUT)
         async_copy.commit_group()
@@ -184,26 +153,26 @@ def _sparse_mla_gluon_kernel(q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_p
             _gather_tile(cache_ptr, slots, kv0_bufs.index(1), kv1_bufs.index(1),
                          pe_bufs.index(1), LD_LAYOUT)
         async_copy.commit_group()
-        pos_next = _tile_positions(idx_row, lo + 2, end, seq_len, ROW_SLICE)
-        pos_s = _tile_positions(idx_row, lo, end, seq_len, KEY_SLICE)
-        _load_q(q_ptr, q0_smem, q1_smem, qpe_smem, row, head0, stride_qt, stride_qh, LD_LAYOUT)
+        pos_next = tile_positions(idx_row, lo + 2, end, seq_len, ROW_SLICE)
+        pos_s = tile_positions(idx_row, lo, end, seq_len, KEY_SLICE)
+        load_q(q_ptr, q0_smem, q1_smem, qpe_smem, row, head0, stride_qt, stride_qh, LD_LAYOUT)
         async_copy.wait_group(1)  # tile 0 (tile 1 may stay in flight)
         fence_async_shared()  # Q's stores and tile 0's copies, before the wgmma reads them
         gl.thread_barrier()
-        s = _issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(0), kv1_bufs.index(0),
+        s = issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(0), kv1_bufs.index(0),
                           pe_bufs.index(0), S_LAYOUT)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, l_part, alpha = _softmax_tile(s, m_i, l_part, pos_s, qk_scale, S_LAYOUT)
-        _store_p(p_smem, p)
-        slots = _tile_slots(bt_row, pos_next, PAGE_SIZE)  # of tile 2
+        p, m_i, l_part, alpha = softmax_tile(s, m_i, l_part, pos_s, qk_scale, S_LAYOUT)
+        store_p(p_smem, p)
+        slots = tile_slots(bt_row, pos_next, PAGE_SIZE)  # of tile 2
         for j in range(1, n):
             cur = (j - 1) % 2
             nxt = j % 2
-            pos_s = _tile_positions(idx_row, lo + j, end, seq_len, KEY_SLICE)  # for the softmax
+            pos_s = tile_positions(idx_row, lo + j, end, seq_len, KEY_SLICE)  # for the softmax
             # P @ V of tile j - 1, then the scores of tile j: back to back on the tensor cores
-            acc0, acc1 = _issue_pv(p_smem, kv0_bufs.index(cur), kv1_bufs.index(cur), acc0, acc1)
+            acc0, acc1 = issue_pv(p_smem, kv0_bufs.index(cur), kv1_bufs.index(cur), acc0, acc1)
             _tile_landed()  # tile j, gathered during the previous step
-            s = _issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(nxt),
+            s = issue_scores(q0_smem, q1_smem, qpe_smem, kv0_bufs.index(nxt),
                               kv1_bufs.index(nxt), pe_bufs.index(nxt), S_LAYOUT)
             acc0, acc1 = warpgroup_mma_wait(3, deps=(acc0, acc1))  # P @ V done, scores running
             gl.thread_barrier()  # both warp groups are done with stage cur and with P
@@ -213,49 +182,20 @@ def _sparse_mla_gluon_kernel(q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_p
                 _gather_tile(cache_ptr, slots, kv0_bufs.index(cur), kv1_bufs.index(cur),
                              pe_bufs.index(cur), LD_LAYOUT)
             async_copy.commit_group()
-            pos_next = _tile_positions(idx_row, lo + j + 2, end, seq_len, ROW_SLICE)
+            pos_next = tile_positions(idx_row, lo + j + 2, end, seq_len, ROW_SLICE)
             s = warpgroup_mma_wait(0, deps=(s,))
-            p, m_i, l_part, alpha = _softmax_tile(s, m_i, l_part, pos_s, qk_scale, S_LAYOUT)
+            p, m_i, l_part, alpha = softmax_tile(s, m_i, l_part, pos_s, qk_scale, S_LAYOUT)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT), assert_trivial=True)
             acc0 = acc0 * alpha_o[:, None]
             acc1 = acc1 * alpha_o[:, None]
-            _store_p(p_smem, p)
-            slots = _tile_slots(bt_row, pos_next, PAGE_SIZE)
+            store_p(p_smem, p)
+            slots = tile_slots(bt_row, pos_next, PAGE_SIZE)
         last = (n - 1) % 2
-        acc0, acc1 = _issue_pv(p_smem, kv0_bufs.index(last), kv1_bufs.index(last), acc0, acc1)
+        acc0, acc1 = issue_pv(p_smem, kv0_bufs.index(last), kv1_bufs.index(last), acc0, acc1)
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-    _store_out(out_ptr, part_out_ptr, part_lse_ptr, acc0, acc1, m_i, l_part, row, head0, split,
+    store_out(out_ptr, part_out_ptr, part_lse_ptr, acc0, acc1, m_i, l_part, row, head0, split,
                num_heads, num_splits, stride_ot, stride_oh, SPLIT, S_LAYOUT, O_LAYOUT)
 # fmt: on
-
-
-def _class_problem(
-    q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, fp8: bool = False
-) -> str | None:
-    """What puts q and the cache outside the kernel's class (``fp8``: the fp8-row kernel's,
-    ``ops/gluon_mla_sparse_fp8``), or None."""
-    width = KV_LORA_RANK + ROPE
-    row = mla_fp8_row_bytes(KV_LORA_RANK, ROPE) if fp8 else width  # 656 bytes or 576 bf16
-    if kv_lora_rank != KV_LORA_RANK:
-        name = "sparse_mla_gluon_fp8" if fp8 else "sparse_mla_gluon"
-        return f"{name} takes kv_lora_rank {KV_LORA_RANK}, got {kv_lora_rank}"
-    if q.dim() != 3 or q.shape[2] != width:
-        return f"q must be [rows, heads, {width}], got {tuple(q.shape)}"
-    if q.shape[1] == 0 or q.shape[1] % HEADS_PER_PROGRAM:
-        return f"heads must be a multiple of {HEADS_PER_PROGRAM}, got {q.shape[1]}"
-    if q.shape[0] > _MAX_GRID_Y:
-        return f"at most {_MAX_GRID_Y} query rows a launch, got {q.shape[0]}"
-    if latent_cache.dim() != 3 or latent_cache.shape[2] != row or latent_cache.shape[1] < 1:
-        return f"latent cache must be [blocks, page, {row}], got {tuple(latent_cache.shape)}"
-    if fp8 and (q.dtype != torch.bfloat16 or latent_cache.dtype != torch.uint8):
-        return f"bf16 q and uint8 fp8 rows only, got {q.dtype} and {latent_cache.dtype}"
-    if not fp8 and (q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16):
-        return f"bf16 q and cache only, got {q.dtype} and {latent_cache.dtype}"
-    if q.stride(-1) != 1 or not latent_cache.is_contiguous():
-        return "q must be contiguous in its last dimension and the cache contiguous"
-    if latent_cache.data_ptr() % 16:
-        return "the latent cache must be 16-byte aligned (16-byte cp.async)"
-    return None
 
 
 def check_sparse_gluon_inputs(
@@ -270,8 +210,8 @@ def check_sparse_gluon_inputs(
     fp8: bool = False,
 ) -> None:
     """ValueError unless the inputs are in the class the kernel takes (see the module doc;
-    ``fp8``: the fp8-row kernel's class, ``ops/gluon_mla_sparse_fp8``)."""
-    problem = _class_problem(q, latent_cache, kv_lora_rank, fp8)
+    ``fp8``: the fp8-row kernel's class, ``ops/mla/sparse_gluon_fp8``)."""
+    problem = sparse_class_problem(q, latent_cache, kv_lora_rank, fp8)
     if problem:
         raise ValueError(problem)
     rows = q.shape[0]
@@ -294,26 +234,7 @@ def check_sparse_gluon_inputs(
     devices = {t.device for t in tensors + ((out,) if out is not None else ())}
     if len(devices) != 1:
         raise ValueError(f"inputs on several devices: {sorted(map(str, devices))}")
-    if q.device.type != "cuda" or not _is_hopper(q.device):
-        name = "sparse_mla_gluon_fp8" if fp8 else "sparse_mla_gluon"
-        raise ValueError(f"{name} runs on Hopper (sm_90) GPUs, not {q.device}")
-
-
-def in_sparse_gluon_class(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Shapes, dtypes and layout the kernel takes (what ``check_sparse_gluon_inputs`` checks of
-    q and the cache, as a bool): bf16, rank 512 + rope 64, any page, heads a multiple of 64."""
-    return _class_problem(q, latent_cache, kv_lora_rank) is None
-
-
-def sparse_gluon_takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Whether a sparse MLA call goes to this kernel: inputs ``in_sparse_gluon_class`` on a
-    Hopper GPU, and ``ATTNSERVE_GLUON`` not 0. Host-side only: no sync."""
-    return (
-        q.is_cuda
-        and env.gluon()
-        and in_sparse_gluon_class(q, latent_cache, kv_lora_rank)
-        and _is_hopper(q.device)
-    )
+    launch_helpers.require_hopper(q.device, "sparse_mla_gluon_fp8" if fp8 else "sparse_mla_gluon")
 
 
 def _launch(q, latent_cache, block_table, seq_lens, topk_indices, token_req, scale, out,
@@ -321,7 +242,7 @@ def _launch(q, latent_cache, block_table, seq_lens, topk_indices, token_req, sca
     """The launch itself, for inputs ``check_sparse_gluon_inputs`` passed (the sm_90 compile
     test records it on CPU tensors)."""
     num_idx = topk_indices.shape[1]
-    launch = prepare_latent_launch(q, latent_cache, KV_LORA_RANK, num_idx, out, num_splits, _SHAPE,
+    launch = prepare_latent_launch(q, latent_cache, KV_LORA_RANK, num_idx, out, num_splits, SHAPE,
                                    sparse=True)  # fmt: skip
     if q.shape[0] == 0 or num_idx == 0:
         return launch.out.zero_()
@@ -333,7 +254,7 @@ def _launch(q, latent_cache, block_table, seq_lens, topk_indices, token_req, sca
         token_req, scale * LOG2E, q.shape[1], launch.num_splits, num_idx, q.stride(0),
         q.stride(1), o.stride(0), o.stride(1), block_table.stride(0), topk_indices.stride(0),
         PAGE_SIZE=latent_cache.shape[1],
-        KV_SMEM=_KV_SMEM, PE_SMEM=_PE_SMEM,
+        KV_SMEM=KV_SMEM, PE_SMEM=PE_SMEM,
         SPLIT=launch.num_splits > 1, num_warps=8,
     )
     # fmt: on

@@ -1,7 +1,7 @@
 """Sparse absorbed MLA (DSA) over fp8 latent rows as a Gluon Hopper kernel.
 
-``ops/gluon_mla_sparse``'s contract and design (whose jit helpers it imports, with
-``ops/gluon_mla``'s) for the fp8 cache of ``kvcache/fp8.py`` ("V32_FP8Sparse", 656 bytes a row:
+``ops/mla/sparse_gluon``'s contract and design (whose jit helpers it imports, with
+``ops/mla/decode_gluon``'s) for the fp8 cache of ``kvcache/fp8.py`` ("V32_FP8Sparse", 656 bytes a row:
 512 e4m3 values | 4 fp32 scales, one per 128-value tile | 64 bf16 rope values), any page size,
 heads a multiple of 64. A program of 8 warps owns 64 heads of one query row and walks its key
 tiles of 64 selected rows; the MMAs are the bf16 kernel's (``warps_per_cta [4, 2]``, Q in shared
@@ -41,7 +41,7 @@ Unused rows (-1, past the request's length, past the split) are zero-filled by t
 scales and rope), so they dequantise to 0 and no stale data or NaN reaches P @ V; their scores
 are -inf. Split-KV, masking and the output are the bf16 kernel's.
 
-Not here: bf16 rows (``ops/gluon_mla_sparse``), other ranks, fewer than 64 heads (Triton's
+Not here: bf16 rows (``ops/mla/sparse_gluon``), other ranks, fewer than 64 heads (Triton's
 ``sparse_mla``). No interpreter runs Gluon: CPU tests compile it for sm_90;
 ``benchmarks/gpu_mla_sparse_gluon.py --rows fp8`` checks and times it on a Hopper GPU. The
 PyTorch twin is ``attention.reference_mla.sparse_mla_attention`` on the fp8 cache.
@@ -59,30 +59,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attnserve import env
-from attnserve.ops.gluon_mla import (
-    _SHAPE,
+from attnserve.ops.hopper import issue_pv, store_p
+from attnserve.ops.mla.gluon_tiles import (
     KV_LORA_RANK,
-    _is_hopper,
-    _issue_pv,
-    _load_q,
-    _store_out,
-    _store_p,
-)
-from attnserve.ops.gluon_mla_sparse import (
-    _KV_SMEM,
-    _PE_SMEM,
+    KV_SMEM,
+    PE_SMEM,
+    SHAPE,
     TILE,
-    _class_problem,
-    _softmax_tile,
-    _tile_positions,
-    _tile_slots,
-    check_sparse_gluon_inputs,
+    load_q,
+    softmax_tile,
+    store_out,
+    tile_positions,
+    tile_slots,
 )
-from attnserve.ops.triton_mla import LOG2E, prepare_latent_launch
+from attnserve.ops.mla.latent import LOG2E, prepare_latent_launch
+from attnserve.ops.mla.sparse_gluon import check_sparse_gluon_inputs
 
-__all__ = ["check_sparse_gluon_fp8_inputs", "in_sparse_gluon_fp8_class", "sparse_gluon_fp8_takes",
-           "sparse_mla_gluon_fp8"]  # fmt: skip
+__all__ = ["check_sparse_gluon_fp8_inputs", "sparse_mla_gluon_fp8"]
 
 # raw stages: e4m3 rows with their 16-byte pieces XOR-swizzled by row % 8 (a warp reading 8 rows
 # x 64 bytes then meets all 32 banks), plain fp32 scales
@@ -203,10 +196,10 @@ def _sparse_mla_gluon_fp8_kernel(q_ptr, val_ptr, sc_ptr, pe_ptr, out_ptr, part_o
     if n > 0:
         # the index and block-table loads of tiles 0 and 1 first, then both gathers, then Q
         # by plain loads while the gathers are in flight
-        pos0 = _tile_positions(idx_row, lo, end, seq_len, ROW_SLICE)
-        pos1 = _tile_positions(idx_row, lo + 1, end, seq_len, ROW_SLICE)
-        slots0 = _tile_slots(bt_row, pos0, PAGE_SIZE)
-        slots = _tile_slots(bt_row, pos1, PAGE_SIZE)
+        pos0 = tile_positions(idx_row, lo, end, seq_len, ROW_SLICE)
+        pos1 = tile_positions(idx_row, lo + 1, end, seq_len, ROW_SLICE)
+        slots0 = tile_slots(bt_row, pos0, PAGE_SIZE)
+        slots = tile_slots(bt_row, pos1, PAGE_SIZE)
         _gather_fp8_tile(val_ptr, sc_ptr, pe_ptr, slots0, val_bufs.index(0), sc_bufs.index(0),
                          pe_bufs.index(0), VAL_LD, SC_LD, LD_LAYOUT)
         async_copy.commit_group()
@@ -214,9 +207,9 @@ def _sparse_mla_gluon_fp8_kernel(q_ptr, val_ptr, sc_ptr, pe_ptr, out_ptr, part_o
             _gather_fp8_tile(val_ptr, sc_ptr, pe_ptr, slots, val_bufs.index(1),
                              sc_bufs.index(1), pe_bufs.index(1), VAL_LD, SC_LD, LD_LAYOUT)
         async_copy.commit_group()
-        pos_next = _tile_positions(idx_row, lo + 2, end, seq_len, ROW_SLICE)
-        pos_s = _tile_positions(idx_row, lo, end, seq_len, KEY_SLICE)
-        _load_q(q_ptr, q0_smem, q1_smem, qpe_smem, row, head0, stride_qt, stride_qh, LD_LAYOUT)
+        pos_next = tile_positions(idx_row, lo + 2, end, seq_len, ROW_SLICE)
+        pos_s = tile_positions(idx_row, lo, end, seq_len, KEY_SLICE)
+        load_q(q_ptr, q0_smem, q1_smem, qpe_smem, row, head0, stride_qt, stride_qh, LD_LAYOUT)
         async_copy.wait_group(1)  # tile 0 (tile 1 may stay in flight)
         gl.thread_barrier()  # every thread's copies of tile 0
         _dequant_half(val_bufs.index(0), sc_bufs.index(0), kv0, 0, CV_LAYOUT)
@@ -226,10 +219,10 @@ def _sparse_mla_gluon_fp8_kernel(q_ptr, val_ptr, sc_ptr, pe_ptr, out_ptr, part_o
         s = warpgroup_mma(q0_smem, kv0.permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma(q1_smem, kv1.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(qpe_smem, pe_bufs.index(0).permute((1, 0)), s, is_async=True)
-        slots = _tile_slots(bt_row, pos_next, PAGE_SIZE)  # of tile 2
+        slots = tile_slots(bt_row, pos_next, PAGE_SIZE)  # of tile 2
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, l_part, alpha = _softmax_tile(s, m_i, l_part, pos_s, qk_scale, S_LAYOUT)
-        _store_p(p_smem, p)  # its barrier: tile 0's raw and rope stages are free
+        p, m_i, l_part, alpha = softmax_tile(s, m_i, l_part, pos_s, qk_scale, S_LAYOUT)
+        store_p(p_smem, p)  # its barrier: tile 0's raw and rope stages are free
         if n > 2:
             _gather_fp8_tile(val_ptr, sc_ptr, pe_ptr, slots, val_bufs.index(0), sc_bufs.index(0),
                              pe_bufs.index(0), VAL_LD, SC_LD, LD_LAYOUT)
@@ -242,9 +235,9 @@ def _sparse_mla_gluon_fp8_kernel(q_ptr, val_ptr, sc_ptr, pe_ptr, out_ptr, part_o
             q0_smem = q0_buf.index(z)
             q1_smem = q1_buf.index(z)
             qpe_smem = qpe_buf.index(z)
-            pos_s = _tile_positions(idx_row, lo + j, end, seq_len, KEY_SLICE)  # for the softmax
-            pos_next = _tile_positions(idx_row, lo + j + 2, end, seq_len, ROW_SLICE)
-            acc0, acc1 = _issue_pv(p_smem, kv0, kv1, acc0, acc1)  # of tile j - 1
+            pos_s = tile_positions(idx_row, lo + j, end, seq_len, KEY_SLICE)  # for the softmax
+            pos_next = tile_positions(idx_row, lo + j + 2, end, seq_len, ROW_SLICE)
+            acc0, acc1 = issue_pv(p_smem, kv0, kv1, acc0, acc1)  # of tile j - 1
             async_copy.wait_group(1)  # tile j (tile j + 1 may stay in flight)
             acc0, acc1 = warpgroup_mma_wait(1, deps=(acc0, acc1))  # P @ V over half 0 done
             gl.thread_barrier()  # tile j landed everywhere; both warp groups done with half 0
@@ -258,21 +251,21 @@ def _sparse_mla_gluon_fp8_kernel(q_ptr, val_ptr, sc_ptr, pe_ptr, out_ptr, part_o
             _convert_landed()
             s = warpgroup_mma(q1_smem, kv1.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma(qpe_smem, pe_bufs.index(st).permute((1, 0)), s, is_async=True)
-            slots = _tile_slots(bt_row, pos_next, PAGE_SIZE)  # of tile j + 2
+            slots = tile_slots(bt_row, pos_next, PAGE_SIZE)  # of tile j + 2
             s = warpgroup_mma_wait(0, deps=(s,))
-            p, m_i, l_part, alpha = _softmax_tile(s, m_i, l_part, pos_s, qk_scale, S_LAYOUT)
+            p, m_i, l_part, alpha = softmax_tile(s, m_i, l_part, pos_s, qk_scale, S_LAYOUT)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT), assert_trivial=True)
             acc0 = acc0 * alpha_o[:, None]
             acc1 = acc1 * alpha_o[:, None]
-            _store_p(p_smem, p)  # its barrier: every warp group's scores of tile j are done
+            store_p(p_smem, p)  # its barrier: every warp group's scores of tile j are done
             # tile j + 2 into tile j's stages: in flight through the whole next step
             if j + 2 < n:
                 _gather_fp8_tile(val_ptr, sc_ptr, pe_ptr, slots, val_bufs.index(st),
                                  sc_bufs.index(st), pe_bufs.index(st), VAL_LD, SC_LD, LD_LAYOUT)
             async_copy.commit_group()
-        acc0, acc1 = _issue_pv(p_smem, kv0_buf.index(0), kv1_buf.index(0), acc0, acc1)  # last tile
+        acc0, acc1 = issue_pv(p_smem, kv0_buf.index(0), kv1_buf.index(0), acc0, acc1)  # last tile
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-    _store_out(out_ptr, part_out_ptr, part_lse_ptr, acc0, acc1, m_i, l_part, row, head0, split,
+    store_out(out_ptr, part_out_ptr, part_lse_ptr, acc0, acc1, m_i, l_part, row, head0, split,
                num_heads, num_splits, stride_ot, stride_oh, SPLIT, S_LAYOUT, O_LAYOUT)
 # fmt: on
 
@@ -292,31 +285,12 @@ def check_sparse_gluon_fp8_inputs(
                               kv_lora_rank, out, fp8=True)  # fmt: skip
 
 
-def in_sparse_gluon_fp8_class(q: torch.Tensor, latent_cache: torch.Tensor,
-                              kv_lora_rank: int) -> bool:  # fmt: skip
-    """Shapes, dtypes and layout the kernel takes (what ``check_sparse_gluon_fp8_inputs``
-    checks of q and the cache, as a bool): bf16 q, uint8 fp8 rows of 656 bytes (rank 512 +
-    rope 64), any page, heads a multiple of 64."""
-    return _class_problem(q, latent_cache, kv_lora_rank, fp8=True) is None
-
-
-def sparse_gluon_fp8_takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Whether a sparse MLA call goes to this kernel: inputs ``in_sparse_gluon_fp8_class`` on a
-    Hopper GPU, and ``ATTNSERVE_GLUON`` not 0. Host-side only: no sync."""
-    return (
-        q.is_cuda
-        and env.gluon()
-        and in_sparse_gluon_fp8_class(q, latent_cache, kv_lora_rank)
-        and _is_hopper(q.device)
-    )
-
-
 def _launch(q, latent_cache, block_table, seq_lens, topk_indices, token_req, scale, out,
             num_splits):  # fmt: skip
     """The launch itself, for inputs ``check_sparse_gluon_fp8_inputs`` passed (the sm_90
     compile test records it on CPU tensors)."""
     num_idx = topk_indices.shape[1]
-    launch = prepare_latent_launch(q, latent_cache, KV_LORA_RANK, num_idx, out, num_splits, _SHAPE,
+    launch = prepare_latent_launch(q, latent_cache, KV_LORA_RANK, num_idx, out, num_splits, SHAPE,
                                    sparse=True)  # fmt: skip
     if q.shape[0] == 0 or num_idx == 0:
         return launch.out.zero_()
@@ -331,7 +305,7 @@ def _launch(q, latent_cache, block_table, seq_lens, topk_indices, token_req, sca
         token_req, scale * LOG2E, q.shape[1], launch.num_splits, num_idx, q.stride(0),
         q.stride(1), o.stride(0), o.stride(1), block_table.stride(0), topk_indices.stride(0),
         PAGE_SIZE=latent_cache.shape[1],
-        KV_SMEM=_KV_SMEM, PE_SMEM=_PE_SMEM, VAL_SMEM=_VAL_SMEM,
+        KV_SMEM=KV_SMEM, PE_SMEM=PE_SMEM, VAL_SMEM=_VAL_SMEM,
         SC_SMEM=_SC_SMEM,
         SPLIT=launch.num_splits > 1, num_warps=8,
     )

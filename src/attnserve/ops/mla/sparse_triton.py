@@ -4,9 +4,9 @@
 selected latent rows. Indices are absolute positions of the row's request, mapped to cache
 slots through the block table inside the kernel; -1 slots (and positions at or past the
 request's length) are skipped, and a row with none gets 0. The tiles, fp8 dequantisation and
-split-KV merge are ``ops/triton_mla.py``'s.
+split-KV merge are ``ops/mla/decode_triton.py``'s.
 
-The indexer that picks the rows is ``ops/triton_indexer.py`` (re-exported here). Not here:
+The indexer that picks the rows is ``ops/indexer/logits_triton.py`` (re-exported here). Not here:
 writing the caches (``backends/torch_mla_sparse``), projections and RoPE. The PyTorch twin is
 ``attention.reference_mla.sparse_mla_attention``.
 """
@@ -17,14 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.ops.triton_indexer import (
+from attnserve.ops.indexer.logits_triton import (
     IndexerConfig,
     indexer_logits,
     lightning_indexer_topk,
     pick_indexer_config,
     topk_from_logits,
 )
-from attnserve.ops.triton_mla import (
+from attnserve.ops.mla.latent import (
     LOG2E,
     MLAConfig,
     attend_latent_tile,

@@ -38,7 +38,7 @@ MAX_D_STATE = 256  # a whole state row of a channel lives in registers
 MAX_HEAD_K = 256  # the whole key dim of a lightning tile lives in registers
 
 
-# Kernels keep dense argument lists, as in triton_paged_attention.py.
+# Kernels keep dense argument lists, as in ops/attention/paged_triton.py.
 # fmt: off
 @triton.jit
 def _selective_scan_decode_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, state_ptr, idx_ptr, out_ptr,

@@ -36,7 +36,7 @@ __all__ = ["MAX_HEAD_K", "fused_delta_rule_decode"]
 MAX_HEAD_K = 256  # the whole key dim of a tile lives in registers
 
 
-# Kernels keep dense argument lists, as in triton_paged_attention.py.
+# Kernels keep dense argument lists, as in ops/attention/paged_triton.py.
 # fmt: off
 @triton.jit
 def _delta_rule_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, idx_ptr, out_ptr,

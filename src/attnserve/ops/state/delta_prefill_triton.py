@@ -58,7 +58,7 @@ warps (8 with a per-channel decay); the state kernel 64 value columns and 8 warp
 inputs, 32 and 4 for float32; under ``TRITON_INTERPRET=1`` the value tile covers the whole head,
 since the interpreter pays per program. A sequence whose state row is negative is skipped (state
 untouched, outputs zero); two sequences must not share a row. Not here: the short convs, the
-gates that make g and beta, the decode step (``triton_gdn.py``).
+gates that make g and beta, the decode step (``delta_decode_triton.py``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ MAX_CHUNK_PER_CHANNEL = 32
 SUB = 16  # tokens per sub-block of the triangular solve (the smallest tl.dot)
 
 
-# Kernels keep dense argument lists, as in triton_paged_attention.py.
+# Kernels keep dense argument lists, as in ops/attention/paged_triton.py.
 # fmt: off
 @triton.jit
 def _block_diag(x3, NB: tl.constexpr, BC: tl.constexpr):

@@ -1,9 +1,9 @@
 """The Triton kernels of the state prefills: the Mamba-1 scan (and the carry across its pieces),
 lightning attention block by block, the short causal conv's prefill, state write and decode step.
 
-``triton_state_prefill.py`` launches them and its docstring describes them: the algorithms, the
+``prefill_triton.py`` launches them and its docstring describes them: the algorithms, the
 layouts, the choices measured on the H200. Not here: the launch wrappers, their input checks and
-pinned tiles (``triton_state_prefill.py``), the PyTorch twins (``attention/state``).
+pinned tiles (``prefill_triton.py``), the PyTorch twins (``attention/state``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+__all__ = ["conv_prefill_kernel", "conv_state_kernel", "conv_update_kernel", "lightning_prefill_kernel",
+           "scan_carry_kernel", "selective_scan_prefill_kernel"]
+
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(u) = exp2(u log2(e))
 
 
-# Kernels keep dense argument lists, as in triton_paged_attention.py. Values that change from step
+# Kernels keep dense argument lists, as in ops/attention/paged_triton.py. Values that change from step
 # to step (token and sequence counts, pieces; the per-sequence rows, slices that move with the
 # number of decodes) are not specialised on: a new class would compile a variant inside a step.
 # fmt: off
@@ -47,7 +50,7 @@ def _scan_token(h, sdt, a, skip, x_nxt, dt_nxt, b_nxt, c_nxt, z_nxt, t, end, x_p
 
 
 @triton.jit(do_not_specialize=("pieces",), do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
-def _selective_scan_prefill_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, state_ptr, qsl_ptr, idx_ptr,
+def selective_scan_prefill_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, state_ptr, qsl_ptr, idx_ptr,
                                    init_ptr, out_ptr, ws_ptr, sum_ptr, sx_t, sdt_t, sa_d, sa_n, sb_t, sc_t, sz_t,
                                    ss_p, ss_d, ss_n, dim, n, pieces, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                                    MODE: tl.constexpr, UNROLL: tl.constexpr, INTERPRET: tl.constexpr,
@@ -113,7 +116,7 @@ def _selective_scan_prefill_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_
 
 
 @triton.jit(do_not_specialize=("pieces",), do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
-def _scan_carry_kernel(a_ptr, state_ptr, idx_ptr, init_ptr, ws_ptr, sum_ptr, sa_d, sa_n, ss_p, ss_d, ss_n, dim, n,
+def scan_carry_kernel(a_ptr, state_ptr, idx_ptr, init_ptr, ws_ptr, sum_ptr, sa_d, sa_n, ss_p, ss_d, ss_n, dim, n,
                        pieces, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     # Across a sequence's pieces: each piece's entering state to the workspace (over its end
     # state), h <- exp(A sum(dt)) h + end state; the last h to the state row.
@@ -170,7 +173,7 @@ def _lightning_block(s, q_decay, pair, blk, end, q_ptr, k_ptr, v_ptr, out_ptr, s
 
 
 @triton.jit(do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
-def _lightning_prefill_kernel(q_ptr, k_ptr, v_ptr, rate_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, out_ptr,
+def lightning_prefill_kernel(q_ptr, k_ptr, v_ptr, rate_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, out_ptr,
                               sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, ss_p, ss_h, ss_k, ss_v, num_heads, dk, dv,
                               PRECISION: tl.constexpr, BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -211,7 +214,7 @@ def _lightning_prefill_kernel(q_ptr, k_ptr, v_ptr, rate_ptr, state_ptr, qsl_ptr,
 
 @triton.jit(do_not_specialize=("num_tokens", "num_seqs", "search_steps"),
             do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
-def _conv_prefill_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, out_ptr,
+def conv_prefill_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, out_ptr,
                          sx_t, sw_c, sw_k, ss_p, ss_c, ss_k, num_tokens, num_seqs, search_steps, channels,
                          K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -256,7 +259,7 @@ def _conv_prefill_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, idx_ptr, in
 
 
 @triton.jit(do_not_specialize_on_alignment=("idx_ptr", "init_ptr"))
-def _conv_state_kernel(x_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, sx_t, ss_p, ss_c, ss_k, channels,
+def conv_state_kernel(x_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, sx_t, ss_p, ss_c, ss_k, channels,
                        K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
@@ -279,7 +282,7 @@ def _conv_state_kernel(x_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr, sx_t, ss_p,
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, idx_ptr, out_ptr, sx_b, sw_c, sw_k, ss_p, ss_c, ss_k,
+def conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, idx_ptr, out_ptr, sx_b, sw_c, sw_k, ss_p, ss_c, ss_k,
                         channels, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                         BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)

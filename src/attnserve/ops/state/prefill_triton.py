@@ -55,10 +55,10 @@ decode step skips the sequence and outputs zeros, as the decode kernels do). Two
 not share a state row. The PyTorch twins are ``selective_scan_prefill``,
 ``lightning_attention_prefill``, ``causal_conv1d_prefill`` and ``causal_conv1d_update``
 (``attention/state``). Not here: the decode steps of the scan and of lightning
-(``triton_state_decode.py``), the projections, norms and gates. Configs are pinned for the H200
+(``decode_triton.py``), the projections, norms and gates. Configs are pinned for the H200
 (no autotune; ``benchmarks/gpu_state_prefill.py`` times them and a few variants); under
 ``TRITON_INTERPRET=1`` tiles cover whole channel and head dims, since the interpreter pays per
-program. The kernels are in ``triton_state_prefill_kernels.py``; this file holds their launches,
+program. The kernels are in ``prefill_kernels_triton.py``; this file holds their launches,
 input checks and pinned tiles.
 """
 
@@ -68,13 +68,13 @@ import torch
 import triton
 
 from attnserve import env
-from attnserve.ops.triton_state_prefill_kernels import (
-    _conv_prefill_kernel,
-    _conv_state_kernel,
-    _conv_update_kernel,
-    _lightning_prefill_kernel,
-    _scan_carry_kernel,
-    _selective_scan_prefill_kernel,
+from attnserve.ops.state.prefill_kernels_triton import (
+    conv_prefill_kernel,
+    conv_state_kernel,
+    conv_update_kernel,
+    lightning_prefill_kernel,
+    scan_carry_kernel,
+    selective_scan_prefill_kernel,
 )
 
 __all__ = [
@@ -198,13 +198,13 @@ def fused_selective_scan_prefill(
             ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), dim, n, pieces)
     consts = dict(HAS_D=has_d, HAS_Z=has_z, UNROLL=unroll, INTERPRET=interp, BLOCK_D=bd, BLOCK_N=bn, num_warps=warps)
     if pieces == 1:
-        _selective_scan_prefill_kernel[(b, grid_d)](*args, MODE=0, **consts)
+        selective_scan_prefill_kernel[(b, grid_d)](*args, MODE=0, **consts)
         return out
-    _selective_scan_prefill_kernel[(b * pieces, grid_d)](*args, MODE=1, **consts)
-    _scan_carry_kernel[(b, grid_d)](A, ssm_state, state_indices, has_initial_state, ws, sums, A.stride(0),
+    selective_scan_prefill_kernel[(b * pieces, grid_d)](*args, MODE=1, **consts)
+    scan_carry_kernel[(b, grid_d)](A, ssm_state, state_indices, has_initial_state, ws, sums, A.stride(0),
                                     A.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), dim,
                                     n, pieces, BLOCK_D=bd, BLOCK_N=bn, num_warps=warps)
-    _selective_scan_prefill_kernel[(b * pieces, grid_d)](*args, MODE=2, **consts)
+    selective_scan_prefill_kernel[(b * pieces, grid_d)](*args, MODE=2, **consts)
     # fmt: on
     return out
 
@@ -279,7 +279,7 @@ def fused_lightning_prefill(
     if bt < 16 or bv < 16:
         raise ValueError(f"block_t and block_v must be >= 16 (tl.dot), got {bt}, {bv}")
     # fmt: off
-    _lightning_prefill_kernel[(b, h, triton.cdiv(dv, bv))](
+    lightning_prefill_kernel[(b, h, triton.cdiv(dv, bv))](
         q, k, v, rates, state, query_start_loc, state_indices, has_initial_state, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), h, dk, dv,
@@ -341,12 +341,12 @@ def fused_causal_conv1d_prefill(
     bt = _pow2(block_t, min(64, triton.next_power_of_2(t)) if interp else 32, "block_t")
     bc = _pow2(block_c, triton.next_power_of_2(c) if interp else min(128, triton.next_power_of_2(c)), "block_c")
     # fmt: off
-    _conv_prefill_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
+    conv_prefill_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
         x, weight, weight if bias is None else bias, conv_state, query_start_loc, state_indices, has_initial_state,
         out, x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0), conv_state.stride(1),
         conv_state.stride(2), t, b, max(b - 1, 0).bit_length(), c,
         K=width, HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
-    _conv_state_kernel[(b, triton.cdiv(c, bc))](
+    conv_state_kernel[(b, triton.cdiv(c, bc))](
         x, conv_state, query_start_loc, state_indices, has_initial_state, x.stride(0), conv_state.stride(0),
         conv_state.stride(1), conv_state.stride(2), c, K=width, BLOCK_W=triton.next_power_of_2(width - 1),
         BLOCK_C=bc, num_warps=4)
@@ -387,7 +387,7 @@ def fused_causal_conv1d_update(
     whole = triton.next_power_of_2(c)
     bc = _pow2(block_c, whole if env.triton_interpret() else min(256, whole), "block_c")  # H200: 256
     # fmt: off
-    _conv_update_kernel[(b, triton.cdiv(c, bc))](
+    conv_update_kernel[(b, triton.cdiv(c, bc))](
         x, weight, weight if bias is None else bias, conv_state, state_indices, out, x.stride(0), weight.stride(0),
         weight.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), c,
         K=width, HAS_BIAS=bias is not None, SILU=silu, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_C=bc,

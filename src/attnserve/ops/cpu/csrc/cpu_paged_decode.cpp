@@ -12,7 +12,7 @@
 //
 // What it is not: prefills, masks other than the sequence length (windows, ALiBi, sinks and
 // soft-capping take the PyTorch path), fp8 caches, autograd. The Python side
-// (ops/cpu_paged_decode.py) builds it, checks the CPU, and holds the fallback.
+// (ops/cpu/paged_decode.py) builds it, checks the CPU, and holds the fallback.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
