@@ -4,7 +4,8 @@ Triton reads ``TRITON_INTERPRET`` when it is first imported, and any test may im
 (transformers does), so the interpreter is switched on here, before any test module loads, and
 nowhere else: the kernel tests run Triton kernels on CPU tensors. On a GPU machine
 ``TRITON_INTERPRET=0 python -m pytest tests/kernels/...`` runs the compiled kernels instead
-(the tests that need a GPU skip without one).
+(the tests that need a GPU skip without one). The one other setter is the NSA oracle
+(``tests/models/fla_nsa_oracle.py``), a program of its own that runs fla's kernels on CPU tensors.
 
 flash-linear-attention (``fla``) is installed for the NSA oracle, which runs it in a process
 of its own (``tests/models/fla_nsa_oracle.py``). The test process must not import it:

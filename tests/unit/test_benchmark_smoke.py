@@ -74,7 +74,7 @@ def run_gpu_attention(tmp_path, args: list[str], twin_off: str | None = None,
         f"sys.argv = [{script!r}, '--smoke', *{args!r}]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "TRITON_INTERPRET": "1"}  # OUT: made by it
+    env = {**os.environ, "OUT": str(tmp_path / "out")}  # OUT: made by it; TRITON_INTERPRET from conftest
     proc = subprocess.run([sys.executable, "-c", wrapper], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     log = proc.stdout[-2000:] + proc.stderr[-3000:]
