@@ -144,22 +144,23 @@ def test_the_engine_builds_its_backends_and_model_with_the_plans_choices():
     assert out.token_ids and backend.kernels["attention.decode"] == "torch"
 
 
-def test_a_backend_built_without_choices_picks_what_the_plan_would():
-    """A backend a test builds by hand picks on its first call, from the call's tensors: the same
-    variant the plan picks from the layer's spec (here TRITON_MLA over the interpreter's CPU)."""
+@pytest.mark.parametrize("block_size,want", [(64, "triton_tma"), (16, "triton_gather")])
+def test_a_backend_built_without_choices_picks_what_the_plan_would(block_size, want):
+    """A backend a test builds by hand picks on its first call from the call's tensors
+    (``latent_problem`` in TRITON_MLA): the same variant, passed over for the same reasons, as the
+    plan picks from the layer's spec (DeepSeek-V3, 128 heads, on the interpreter's CPU)."""
     import torch
 
-    from attnserve.attention.backend import tensor_problem
+    from attnserve.attention.backends.triton_mla import latent_problem
 
-    q = torch.zeros(3, 16, 576)
-    cache = torch.zeros(4, 64, 576)
-    from_tensors = tensor_problem(q, cache, num_heads=16, num_kv_heads=1, head_size=576, head_size_v=512,
-                                  kv_lora_rank=512)
-    from_spec = KernelProblem(platform="cpu", capability=None, dtype="float32", cache_dtype="float32",
-                              block_size=64, num_heads=16, num_kv_heads=1, head_size=576, head_size_v=512,
-                              kv_lora_rank=512)
-    assert from_tensors == from_spec
-    assert pick("mla.absorbed", from_tensors, "TRITON_MLA").variant == "triton_tma"  # the interpreter emulates TMA
+    plan = _plan("deepseek-ai/DeepSeek-V3", CPU, attention_backend="TRITON_MLA", dtype="float32",
+                 block_size=block_size)
+    planned = plan.groups[0].kernel_choices["mla.absorbed"]
+    q = torch.zeros(3, 128, 576)  # absorbed rows [N, H, L + R]
+    cache = torch.zeros(4, block_size, 576)
+    lazy = pick("mla.absorbed", latent_problem(q, cache, 512), "TRITON_MLA")
+    assert planned.variant == lazy.variant == want
+    assert planned.passed_over == lazy.passed_over
 
 
 @pytest.mark.parametrize("platform_args,want", [

@@ -25,7 +25,7 @@ from tests.kernels.variants import (
 NUM_HEADS, NUM_KV_HEADS = 4, 2
 
 
-def _dtype(variant: KernelVariant, mode: Mode) -> torch.dtype:
+def _dtype(variant: KernelVariant) -> torch.dtype:
     # Gluon kernels take bf16 (compiled, or run on Hopper); the interpreter wants fp32 or fp16
     return torch.bfloat16 if variant.tech == "gluon" else torch.float32
 
@@ -36,7 +36,7 @@ def run(variant: KernelVariant, spec: BatchSpec, mode: Mode) -> Result | str:
         return "no decode rows"
     if not decode and spec.num_decodes == len(spec.query_lens):
         return "no prefill rows"
-    device, dtype = mode.device, _dtype(variant, mode)
+    device, dtype = mode.device, _dtype(variant)
     head = 128 if variant.tech == "gluon" else 32
     gen = spec.generator()
     num_blocks, table, slots = paged_layout(spec, gen)
