@@ -1,11 +1,14 @@
-"""CPU decode attention alone: TORCH_SDPA's bucketed SDPA path against the C++ paged decode kernel.
+"""CPU decode attention alone: TORCH_SDPA's bucketed SDPA path against the C++ paged decode kernel,
+and the kernel's instruction-set paths against each other.
 
 One decode step of the mixed workload's attention shape (bfloat16, 8 query and 4 KV heads of
 64, block 16): ``--batch`` sequences with context lengths uniform in ``--min-len..--max-len``
-(seeded), random block tables over a cache with room for all of them; a step is the backend's
-``build_metadata`` and ``--layers`` forwards (each writes its new K/V and attends). The two
-paths alternate (the backend built with ``attention.decode`` = ``torch`` or ``cpu_ext``), fastest of ``--repeats``, for each
-thread count; the outputs of the two are compared once.
+(seeded), random block tables over a cache with room for all of them, one cache per layer. A
+step is the backend's ``build_metadata`` and ``--layers`` forwards (each writes its new K/V and
+attends), with ``attention.decode`` = ``torch`` (bucketed SDPA) or ``cpu_ext`` (the kernel's
+default path); a kernel row is ``--layers`` calls of the kernel alone on one path (``avx2``,
+``avx512``, ``avx512_bf16``: each this CPU runs). Everything alternates, fastest of
+``--repeats``, for each thread count; the outputs are compared with the bucketed path's once.
 
     python benchmarks/cpu_decode_attention.py [--batch 64] [--min-len 32] [--max-len 512] [--layers 8]
         [--threads 1 2] [--dtype bfloat16] [--repeats 20]
@@ -22,6 +25,7 @@ import torch
 from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.ops.cpu import paged_decode as cpu_paged_decode
+from attnserve.platforms.cpu_info import cpu_info
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
 
@@ -76,23 +80,38 @@ def main() -> None:
 
     if not cpu_paged_decode.available():
         raise SystemExit("the CPU decode kernel is not available here")
-    outs = {}
-    for name, backend in paths.items():
-        outs[name] = step(backend).float()
-    err = (outs["bucketed SDPA"] - outs["paged kernel"]).abs().max().item()
+    isas = cpu_paged_decode.supported_isas()
+    q, out = qkv[0], torch.empty_like(qkv[0])
+    bt, seq = common.block_tables[0], common.seq_lens
+
+    def kernel(isa: str) -> torch.Tensor:
+        for i in range(args.layers):
+            cpu_paged_decode.paged_decode(q, *caches[i], bt, seq, layer.scale, out, isa=isa)
+        return out
+
+    runs = {name: (lambda b=backend: step(b)) for name, backend in paths.items()}
+    runs |= {f"kernel {isa}": (lambda i=isa: kernel(i)) for isa in isas}
+    outs = {name: run().float().clone() for name, run in runs.items()}
+    err = max((outs["bucketed SDPA"] - o).abs().max().item() for o in outs.values())
     keys = sum(common.seq_lens_cpu)
+    info = cpu_info()
+    print(f"CPU: {info.describe()}; torch capability {torch.backends.cpu.get_cpu_capability()}; default path "
+          f"{cpu_paged_decode.kernel_isa()}")
     print(f"batch {args.batch}, lengths {args.min_len}..{args.max_len} ({keys} keys), {args.layers} layers, "
           f"{args.dtype}, {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, block {BLOCK}; max |difference| {err:.2e}")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        best = dict.fromkeys(paths, float("inf"))
+        best = dict.fromkeys(runs, float("inf"))
         for _ in range(args.repeats):
-            for name, backend in paths.items():
+            for name, run in runs.items():
                 start = time.perf_counter()
-                step(backend)
+                run()
                 best[name] = min(best[name], time.perf_counter() - start)
         row = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in best.items())
-        print(f"threads {threads}: {row} ({best['bucketed SDPA'] / best['paged kernel']:.2f}x)")
+        print(f"threads {threads}: {row}")
+        ratios = [f"paged kernel / bucketed SDPA {best['bucketed SDPA'] / best['paged kernel']:.2f}x"]
+        ratios += [f"{isa} / avx2 {best['kernel avx2'] / best[f'kernel {isa}']:.2f}x" for isa in isas[1:]]
+        print(f"threads {threads}: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":

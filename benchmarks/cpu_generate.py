@@ -1,8 +1,10 @@
 """CPU throughput: attnserve against transformers ``generate`` on the same small model.
 
-A Llama-shaped model of tens of millions of parameters (random weights, bf16 by default), built
-once with transformers and saved; attnserve loads the same weights from that directory. Both run
-in this process, one after the other; the table gives tokens/s and the ratio. EOS is ignored.
+A Llama-shaped model of tens of millions of parameters (random weights, saved in ``--dtype``,
+bf16 by default), built once with transformers and saved; attnserve loads the same weights from
+that directory. Both run in this process, one after the other; the table gives tokens/s and the
+ratio. EOF is ignored. The first lines name the CPU, its instruction-set flags (those attnserve's
+``dtype="auto"`` and CPU decode kernel read) and the threads.
 
 Fixed lengths: batch 1 and batch 16, the same prompts (random token ids), the same number of new
 tokens. ``--mixed``: issue #21's CPU goal, 64 requests with prompt and output lengths drawn
@@ -10,7 +12,10 @@ uniformly from 16..256 (seeded). attnserve takes them all at once with its defau
 flag); transformers ``generate`` takes them in left-padded batches (64, and 16), each batch
 running to its longest output, and only the useful tokens (each request's own output length)
 count, as ``gpu_engine.throughput_hf`` counts them on the GPU. The ratio is against the faster
-transformers batching.
+transformers batching. Two comparisons (issue #43): both engines at the same dtype
+(``--dtype``), and each at its default (attnserve ``dtype="auto"``: bfloat16 on a CPU with native
+bf16 dot products, else float32; transformers ``from_pretrained``'s default, the checkpoint's
+dtype); where the defaults are the same dtypes as the first, its runs are not repeated.
 
     python benchmarks/cpu_generate.py [--batches 1 16] [--prompt-len 128] [--new-tokens 128] [--json out.json]
     python benchmarks/cpu_generate.py --mixed [--requests 64] [--min-len 16] [--max-len 256] [--hf-batches 64 16]
@@ -108,40 +113,82 @@ def run_attnserve_mixed(llm, reqs: list[tuple[list[int], int]]) -> tuple[float, 
     return elapsed, sum(o for _, o in reqs)
 
 
-def mixed(args: argparse.Namespace) -> None:
-    from attnserve import LLM
+def cpu_lines() -> list[str]:
+    """The CPU: its model and flags (as attnserve reads them), torch's capability and threads."""
+    from attnserve.platforms.cpu_info import cpu_info
 
+    info = cpu_info()
+    return [f"CPU: {info.describe()}",
+            f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"threads {torch.get_num_threads()}; attnserve's CPU decode kernel path: {info.decode_isa}"]
+
+
+def mixed_round(llm, hf: dict, reqs, args, best: dict) -> None:
+    """One round: attnserve, then transformers at each batching; keeps the fastest of each."""
+    t, toks = run_attnserve_mixed(llm, reqs)
+    best["attnserve"] = min(best.get("attnserve", (t, toks)), (t, toks))
+    for b in args.hf_batches:
+        t, useful = run_hf_mixed(hf["model"], reqs, b)
+        best[b] = min(best.get(b, (t, useful)), (t, useful))
+
+
+def mixed(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from attnserve import LLM
+    from attnserve.engine.plan import resolve_dtype
+    from attnserve.platforms import current_platform
+
+    rows = {}  # label -> (attnserve dtype, transformers dtype, best times)
     with tempfile.TemporaryDirectory() as d:
-        hf = build(d, getattr(torch, args.dtype))
-        params = sum(p.numel() for p in hf.parameters())
-        # the defaults, but for the context length of this small model
-        llm = LLM(d, dtype=args.dtype, max_model_len=2 * args.max_len + 16)
+        hf_same = build(d, getattr(torch, args.dtype))  # the checkpoint, in --dtype
+        params = sum(p.numel() for p in hf_same.parameters())
         reqs = mixed_requests(args.requests, args.min_len, args.max_len, CONFIG["vocab_size"])
-        run_attnserve_mixed(llm, reqs[:2])  # warm-up
-        run_hf_mixed(hf, reqs[:2], 2)
+        # the defaults, but for the context length of this small model
+        same = LLM(d, dtype=args.dtype, max_model_len=2 * args.max_len + 16)
+        auto_dtype, why = resolve_dtype("auto", args.dtype, current_platform())  # what LLM(d) runs
+        hf_default = AutoModelForCausalLM.from_pretrained(d).eval()  # transformers' default dtype
+        hf_default_dtype = str(hf_default.dtype).removeprefix("torch.")
+        configs = {"same dtype": (same, {"model": hf_same}, args.dtype, args.dtype)}
+        if (auto_dtype, hf_default_dtype) != (args.dtype, args.dtype):
+            auto = LLM(d, max_model_len=2 * args.max_len + 16)
+            assert auto.llm_engine.parts.dtype == auto_dtype
+            configs["defaults"] = (auto, {"model": hf_default}, auto_dtype, hf_default_dtype)
+        del hf_default
+        for llm, hf, _, _ in configs.values():  # warm-up
+            run_attnserve_mixed(llm, reqs[:2])
+            run_hf_mixed(hf["model"], reqs[:2], 2)
         # alternating rounds, the fastest of each: on a shared machine a neighbour's load lands
         # on whichever engine runs at the time
-        t_ours, hf_rows = float("inf"), {}
         for _ in range(args.repeats):
-            t, toks = run_attnserve_mixed(llm, reqs)
-            t_ours = min(t_ours, t)
-            for b in args.hf_batches:
-                t, useful = run_hf_mixed(hf, reqs, b)
-                hf_rows[b] = min(hf_rows.get(b, (t, useful)), (t, useful))
-    best = min(hf_rows, key=lambda b: hf_rows[b][0])
-    print(f"model: llama, {params / 1e6:.1f}M parameters, {args.dtype}, torch threads {torch.get_num_threads()}")
-    print(f"{args.requests} requests, prompt and output lengths uniform in {args.min_len}..{args.max_len}: "
-          f"{sum(len(p) for p, _ in reqs)} prompt tokens, {toks} output tokens")
-    print(f"fastest of {args.repeats} alternating rounds")
-    print(f"attnserve LLM.generate, all at once: {t_ours:.1f} s, {toks / t_ours:.1f} tok/s")
-    for b, (t, useful) in hf_rows.items():
-        print(f"transformers generate, batches of {b} (left-padded): {t:.1f} s, {useful / t:.1f} useful tok/s")
-    ratio = hf_rows[best][0] / t_ours
-    print(f"ratio (against transformers' faster batching, {best}): {ratio:.2f}x")
+            for label, (llm, hf, ours, theirs) in configs.items():
+                mixed_round(llm, hf, reqs, args, rows.setdefault(label, (ours, theirs, {}))[2])
+    toks = sum(o for _, o in reqs)
+    lines = cpu_lines() + [
+        f"model: llama, {params / 1e6:.1f}M parameters, checkpoint {args.dtype}",
+        f"{args.requests} requests, prompt and output lengths uniform in {args.min_len}..{args.max_len}: "
+        f"{sum(len(p) for p, _ in reqs)} prompt tokens, {toks} output tokens; fastest of {args.repeats} "
+        f"alternating rounds",
+        f"attnserve dtype=\"auto\" here: {auto_dtype} ({why}); transformers' default: {hf_default_dtype}"]
+    if "defaults" not in rows:
+        lines.append("each engine's default is the same-dtype run below (not repeated)")
+    out = {"cpu": cpu_lines(), "params": params, "requests": args.requests, "output_tokens": toks, "runs": {}}
+    for label, (ours, theirs, best) in rows.items():
+        t_ours = best["attnserve"][0]
+        hf_rows = {b: v for b, v in best.items() if b != "attnserve"}
+        fastest = min(hf_rows, key=lambda b: hf_rows[b][0])
+        ratio = hf_rows[fastest][0] / t_ours
+        lines.append(f"{label}: attnserve {ours}, transformers {theirs}")
+        lines.append(f"  attnserve LLM.generate, all at once: {t_ours:.1f} s, {toks / t_ours:.1f} tok/s")
+        for b, (t, useful) in hf_rows.items():
+            lines.append(f"  transformers generate, batches of {b} (left-padded): {t:.1f} s, {useful / t:.1f} useful tok/s")
+        lines.append(f"  ratio (against transformers' faster batching, {fastest}): {ratio:.2f}x")
+        out["runs"][label] = {"attnserve_dtype": ours, "transformers_dtype": theirs, "attnserve_s": t_ours,
+                              "transformers_s": {str(b): t for b, (t, _) in hf_rows.items()}, "ratio": ratio}
+    print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"params": params, "requests": args.requests, "output_tokens": toks, "attnserve_s": t_ours,
-                       "transformers_s": {str(b): t for b, (t, _) in hf_rows.items()}, "ratio": ratio}, f, indent=2)
+            json.dump(out, f, indent=2)
 
 
 def main() -> None:
@@ -150,7 +197,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                    help="the checkpoint's dtype, and both engines' in the same-dtype comparison")
     ap.add_argument("--mixed", action="store_true", help="issue #21's mixed workload (see the docstring)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=16)
@@ -180,6 +228,7 @@ def main() -> None:
             rows.append({"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                          "attnserve_tok_s": toks / t_ours, "transformers_tok_s": toks / t_hf,
                          "ratio": t_hf / t_ours, "attnserve_s": t_ours, "transformers_s": t_hf})
+    print("\n".join(cpu_lines()))
     print(f"model: llama, {params / 1e6:.1f}M parameters, {args.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{'batch':>5} {'attnserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6}")
     for r in rows:

@@ -12,6 +12,7 @@ import os
 __all__ = [
     "ATTNSERVE_VARIABLES",
     "api_key",
+    "cpu_isa",
     "cpu_threads",
     "disable_nccl_multicast",
     "engine_profile",
@@ -33,6 +34,7 @@ ATTNSERVE_VARIABLES = {
     "ATTNSERVE_LOG_STATS_INTERVAL": "seconds between the server's throughput lines",
     "ATTNSERVE_PLATFORM": "override platform detection",
     "ATTNSERVE_CPU_THREADS": "torch's intra-op threads on CPU",
+    "ATTNSERVE_CPU_ISA": "treat the CPU as having at most avx2, avx512 or avx512_bf16 (dtype auto, the decode kernel)",
 }
 
 
@@ -92,6 +94,17 @@ def cpu_threads() -> int | None:
     """``ATTNSERVE_CPU_THREADS``: torch intra-op threads on CPU (default: torch's choice)."""
     value = os.environ.get("ATTNSERVE_CPU_THREADS", "").strip()
     return int(value) if value else None
+
+
+def cpu_isa() -> str | None:
+    """``ATTNSERVE_CPU_ISA=avx2|avx512|avx512_bf16``: treat the CPU as having at most that
+    instruction set, its flags above it ignored (``platforms/cpu_info.py``): ``dtype="auto"``
+    and the C++ decode kernel's path then choose as on such a CPU (debugging, benchmarks);
+    unset: what the CPU has."""
+    value = os.environ.get("ATTNSERVE_CPU_ISA", "").strip().lower()
+    if value and value not in ("avx2", "avx512", "avx512_bf16"):
+        raise ValueError(f"ATTNSERVE_CPU_ISA must be avx2, avx512 or avx512_bf16, got {value!r}")
+    return value or None
 
 
 def hf_hub_offline() -> bool:

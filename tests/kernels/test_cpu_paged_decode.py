@@ -1,7 +1,8 @@
 """The CPU paged decode kernel (``ops/cpu/paged_decode.py``) against its twins: TORCH_SDPA's
 bucketed SDPA decode and the reference attention, on random paged caches as the backend sees
 them (non-contiguous block tables, block 0 null, partial last blocks, padded rows with slot -1);
-and an engine's greedy output with the kernel on and off."""
+every instruction-set path this CPU runs (``supported_isas``: avx2, avx512, avx512_bf16), each
+forced through ``paged_decode(isa=...)``; and an engine's greedy output with the kernel on and off."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.attention.reference import paged_attention, write_kv
 from attnserve.ops.cpu import paged_decode as cpu_paged_decode
+from attnserve.platforms.cpu_info import cpu_info
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,6 +101,81 @@ def test_kernel_matches_the_bucketed_twin_and_the_reference(dtype, head, group, 
     assert (out[-2:] == 0).all()  # padded rows read the zeroed null block
 
 
+def isas() -> tuple[str, ...]:
+    """The paths this machine runs (collected before the fixture builds: the flags alone)."""
+    info = cpu_info()
+    if info.decode_isa is None:
+        return ()
+    return cpu_paged_decode.ISAS[:cpu_paged_decode.ISAS.index(info.decode_isa) + 1]
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# (dtype, head, head_v, group): the head sizes the compiled forms fix (64, 128) and others (40; 96
+# keys with 64 values; 200 with 24: vectors cut by masks), every head chunk (8, 4, 2, 1; 6 query
+# heads a KV head run as 2 + 2 + 2; 3 as 1 + 1 + 1)
+CASES = [(BF16, 64, 64, 2), (BF16, 128, 128, 8), (BF16, 40, 40, 6), (BF16, 96, 64, 4), (BF16, 200, 24, 1),
+         (BF16, 64, 64, 3), (FP32, 64, 64, 2), (FP32, 128, 128, 4), (FP32, 40, 40, 1), (FP16, 64, 64, 8),
+         (FP16, 96, 64, 2)]
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype,head,head_v,group", CASES, ids=[f"{str(c[0])[6:]}-{c[1]}-{c[2]}-g{c[3]}" for c in CASES])
+def test_every_path_matches_the_reference(isa, dtype, head, head_v, group):
+    """Each path forced, on CASES, odd tiles (lengths 1, 17, 33, 129), blocks of 16 and the null block."""
+    assert isa in cpu_paged_decode.supported_isas()
+    gen = torch.Generator().manual_seed(head * 100 + head_v + group)
+    num_kv, block = 2, 16
+    common, kc, _ = decode_batch(LENGTHS, num_kv, head, block, dtype, gen, pad_rows=1)
+    vc = torch.randn(kc.shape[0], block, num_kv, head_v, generator=gen).to(dtype)
+    vc[0] = 0
+    q = torch.randn(common.num_reqs, num_kv * group, head, generator=gen).to(dtype)
+    out = torch.full((common.num_reqs, num_kv * group, head_v), float("nan"), dtype=dtype)
+    cpu_paged_decode.paged_decode(q, kc, vc, common.block_tables[0], common.seq_lens, head ** -0.5, out, isa=isa)
+    ref = paged_attention(q.float(), kc.float(), vc.float(), common.block_tables[0], common.query_start_loc,
+                          common.seq_lens, scale=head ** -0.5)
+    # float32 sums everywhere; bf16 and fp16 round the output once (avx512_bf16 also the weights)
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    assert (out[-1] == 0).all()  # the padded row reads the zeroed null block
+
+
+def test_the_paths_agree_and_the_default_is_the_best():
+    """On one bf16 batch every path is within bf16 rounding of the others, and ``kernel_isa``
+    (what the engine runs) is the best this CPU runs, ``ATTNSERVE_CPU_ISA`` unset."""
+    gen = torch.Generator().manual_seed(7)
+    common, kc, vc = decode_batch([5, 300, 77, 1024], 4, 128, 16, torch.bfloat16, gen)
+    q = torch.randn(4, 16, 128, generator=gen).bfloat16()
+    outs = {}
+    for isa in cpu_paged_decode.supported_isas():
+        outs[isa] = torch.empty(4, 16, 128, dtype=torch.bfloat16)
+        cpu_paged_decode.paged_decode(q, kc, vc, common.block_tables[0], common.seq_lens, 0.1, outs[isa], isa=isa)
+    default = cpu_paged_decode.paged_decode(q, kc, vc, common.block_tables[0], common.seq_lens, 0.1,
+                                            torch.empty_like(q))
+    assert cpu_paged_decode.kernel_isa() == cpu_paged_decode.supported_isas()[-1]
+    assert torch.equal(default, outs[cpu_paged_decode.kernel_isa()])
+    for isa, o in outs.items():
+        torch.testing.assert_close(o.float(), outs["avx2"].float(), atol=2e-2, rtol=2e-2, msg=isa)
+
+
+@pytest.mark.parametrize("isa", [i for i in cpu_paged_decode.ISAS if i not in isas()])
+def test_a_path_this_cpu_lacks_is_an_error(isa):
+    gen = torch.Generator().manual_seed(0)
+    common, kc, vc = decode_batch([5], 1, 16, 4, torch.bfloat16, gen)
+    q = torch.randn(1, 2, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="cannot run"):
+        cpu_paged_decode.paged_decode(q, kc, vc, common.block_tables[0], common.seq_lens, 1.0, torch.empty_like(q),
+                                      isa=isa)
+
+
+def test_cpu_isa_caps_the_paths(monkeypatch):
+    """``ATTNSERVE_CPU_ISA`` caps the paths as it caps the flags (an AVX2-only CPU's view)."""
+    monkeypatch.setenv("ATTNSERVE_CPU_ISA", "avx2")
+    assert cpu_paged_decode.supported_isas() == ("avx2",)
+    monkeypatch.setenv("ATTNSERVE_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="ATTNSERVE_CPU_ISA must be"):
+        cpu_paged_decode.supported_isas()
+
+
 @pytest.mark.parametrize("block", [4, 16, 32])
 def test_kernel_block_sizes_and_strided_query(block):
     """Block sizes under, at and over the kernel's 16-key tile; q as a strided view of a fused
@@ -136,6 +213,10 @@ def test_kernel_rejects_bad_inputs():
         call(q=torch.randn(2, 3, 16), out=torch.empty(2, 3, 16))
     with pytest.raises(RuntimeError, match="multiples of 8"):
         call(q=q[..., :12], key_cache=kc[..., :12], value_cache=vc[..., :12], out=out[..., :12])
+    with pytest.raises(ValueError, match="isa must be one of"):
+        call(isa="avx1024")
+    with pytest.raises(RuntimeError, match="isa must be 0"):  # the op itself, past the Python check
+        torch.ops.attnserve_cpu.paged_decode(q, kc, vc, bt, seq, 1.0, out, 7)
 
 
 def test_unsupported_layers_take_the_bucketed_path(monkeypatch):

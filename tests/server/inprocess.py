@@ -57,6 +57,9 @@ class InProcessServer:
         from attnserve.engine.async_engine import AsyncLLMEngine
         from attnserve.entrypoints.openai.api_server import build_app
 
+        # float32 unless a test asks: the tests compare greedy outputs across batch compositions,
+        # which bf16 (the CPU's "auto" where it has AVX512_BF16) does not keep bit-exact
+        engine_kwargs.setdefault("dtype", "float32")
         self.engine = AsyncLLMEngine.from_kwargs(str(model_dir), **engine_kwargs)
         self.engine.start()
         self.app = build_app(self.engine, MODEL_NAME, None, **(app_kwargs or {}))

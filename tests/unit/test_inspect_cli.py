@@ -25,7 +25,7 @@ def run_json(capsys, *args) -> dict:
 
 def test_json_llama(capsys):
     out = run_json(capsys, "meta-llama/Llama-3.1-8B-Instruct", "--platform", "cpu", "--memory", "16",
-                   "--max-model-len", "8192")
+                   "--max-model-len", "8192", "--dtype", "bfloat16")  # "auto" on a CPU follows its flags
     assert out["model_type"] == "llama" and out["mechanism"] == "GQA" and out["num_layers"] == 32
     assert out["kv_cache_dtype"] == "bfloat16"
     assert out["kv_bytes_per_token"] == 131_072 and out["state_bytes_per_sequence"] == 0
@@ -125,7 +125,7 @@ def test_config_path_and_missing_model(tmp_path, capsys):
     cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
            "num_hidden_layers": 3, "vocab_size": 100, "torch_dtype": "float16"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    out = run_json(capsys, str(tmp_path), "--platform", "cpu")
+    out = run_json(capsys, str(tmp_path), "--platform", "cpu", "--dtype", "float16")
     assert out["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * 2
     assert main(["inspect", str(tmp_path / "nope")]) == 2
     assert "neither a model directory" in capsys.readouterr().err
@@ -142,10 +142,11 @@ def test_plot_writes_png(tmp_path, capsys):
 
 
 def test_python_dash_m_is_the_same_command():
-    proc = subprocess.run([sys.executable, "-m", "attnserve", "inspect", "openai-community/gpt2", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    # dtype given: "auto" on a CPU depends on its flags (bfloat16 with AVX512_BF16, else float32)
+    proc = subprocess.run([sys.executable, "-m", "attnserve", "inspect", "openai-community/gpt2", "--json",
+                           "--dtype", "float32"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["kv_bytes_per_token"] == 12 * 2 * 12 * 64 * 4  # gpt2 ships float32
+    assert json.loads(proc.stdout)["kv_bytes_per_token"] == 12 * 2 * 12 * 64 * 4
 
 
 # --- a whole device (issue #23): the weights first, the KV cache from what is left ----------------

@@ -48,7 +48,7 @@ from attnserve.kvcache.spec import CachePolicy, resolve_cache_dtype
 from attnserve.platforms import Platform
 
 __all__ = ["BackendChoice", "EnginePlan", "GroupPlan", "LayerPlan", "StepKernels", "default_block_size",
-           "plan_engine", "prepare_kernels", "with_block_size"]
+           "plan_engine", "prepare_kernels", "resolve_dtype", "with_block_size"]
 
 MLA_CUDA_BLOCK_SIZE = 64  # a 64-key tile is one page: the TMA decode kernel's unit (ops/mla/decode_triton_tma)
 
@@ -133,6 +133,7 @@ class EnginePlan:
     rank_arch: ModelArch  # one tensor-parallel rank's share (``arch`` itself for one rank)
     platform: Platform
     dtype: str  # the model's
+    dtype_reason: str  # why (resolve_dtype)
     kv_cache_dtype: str  # resolved: fp8, or a float dtype
     block_size: int
     max_model_len: int
@@ -207,6 +208,17 @@ def with_block_size(config: EngineConfig, arch: ModelArch, platform: Platform) -
     return replace(config, cache=replace(config.cache, block_size=default_block_size(arch, platform)))
 
 
+def resolve_dtype(dtype: str, checkpoint_dtype: str, platform: Platform) -> tuple[str, str]:
+    """The model's dtype and why: an explicit ``dtype`` as given; "auto" the checkpoint's dtype,
+    but on CPU what the CPU runs fast (``CpuInfo.auto_dtype``: bfloat16 with native bf16 dot
+    products, float32 elsewhere)."""
+    if dtype != "auto":
+        return dtype, f'dtype="{dtype}" as given'
+    if platform.device_type == "cpu" and platform.cpu is not None:
+        return platform.cpu.auto_dtype(checkpoint_dtype)
+    return checkpoint_dtype, f'dtype "auto": the checkpoint\'s dtype on {platform.name}'
+
+
 def plan_engine(arch: ModelArch, config: EngineConfig, platform: Platform,
                 unprepared: Mapping[str, str] | None = None) -> EnginePlan:
     """The plan of ``arch`` served with ``config`` on ``platform``.
@@ -225,7 +237,7 @@ def plan_engine(arch: ModelArch, config: EngineConfig, platform: Platform,
     config = with_block_size(config, arch, platform)
     tp = config.parallel.tensor_parallel_size
     rank_arch = shard_arch(arch, tp)
-    dtype = arch.dtype if config.model.dtype == "auto" else config.model.dtype
+    dtype, dtype_reason = resolve_dtype(config.model.dtype, arch.dtype, platform)
     max_len = config.model.max_model_len or arch.derived_max_model_len
     entries = cache_entries(rank_arch, config.cache, dtype)
     layout = plan_layout(entries)  # the paged groups; state layers get slots instead
@@ -240,7 +252,8 @@ def plan_engine(arch: ModelArch, config: EngineConfig, platform: Platform,
                    tuple(config.cache.disabled_kernels), dict(unprepared or {}),
                    frozenset({"streaming"}) if config.cache.streaming_window else frozenset())
     return EnginePlan(
-        arch=arch, rank_arch=rank_arch, platform=platform, dtype=dtype, kv_cache_dtype=kv_dtype,
+        arch=arch, rank_arch=rank_arch, platform=platform, dtype=dtype, dtype_reason=dtype_reason,
+        kv_cache_dtype=kv_dtype,
         block_size=config.cache.block_size, max_model_len=max_len, tensor_parallel_size=tp,
         entries=tuple(entries), layout=layout, state_groups=state_groups,
         groups=tuple(_group_plan(g, layers, rank_arch, facts) for g in all_groups), layers=layers,

@@ -114,6 +114,7 @@ class InspectReport:
     batch_limits: list[tuple[str, BatchLimits]] = field(default_factory=list)
     kernels: list[KernelRow] = field(default_factory=list)  # per backend and layers, then the model's
     disabled_kernels: tuple[str, ...] = ()
+    dtype_reason: str = ""  # why this dtype (engine/plan.resolve_dtype: on CPU, the CPU's flags)
 
     def tokens_in(self, kv_bytes: int) -> int:
         """Tokens whose KV fits in ``kv_bytes`` (sliding layers at their full rate, no state)."""
@@ -159,6 +160,7 @@ class InspectReport:
             "attention_mechanism": self.arch.attention_mechanism.value,
             "num_layers": self.arch.num_layers,
             "dtype": self.dtype,
+            "dtype_reason": self.dtype_reason,
             "kv_cache_dtype": self.kv_cache_dtype,
             "block_size": self.block_size,
             "tensor_parallel_size": self.tensor_parallel_size,
@@ -253,7 +255,9 @@ class InspectReport:
                  + f" · {a.num_layers} layers · dtype {self.dtype} · kv cache {self.kv_cache_dtype}"
                  + f" · block size {self.block_size} · platform {self.platform.label}"
                  + (f" · tensor parallel {self.tensor_parallel_size} (per-rank figures)"
-                    if self.tensor_parallel_size > 1 else ""), ""]
+                    if self.tensor_parallel_size > 1 else "")]
+        lines += [f"dtype {self.dtype}: {self.dtype_reason}"] if self.dtype_reason else []
+        lines.append("")
         header = ("kind", "layers", "B/token/layer", "state B/seq/layer", "window", "backend")
         table = [header] + [
             (r.kind, str(r.num_layers), _components(r), _num(r.state_bytes_per_sequence_per_layer) or "-",
@@ -481,7 +485,7 @@ def build_report(model: str, platform: Platform, *, dtype: str = "auto", kv_cach
         host_latent_bytes_per_token=plan.host_latent_bytes_per_token,
         device=_device_fit(arch, plan, device_memory_gib, gpu_memory_utilization, notes),
         batch_limits=_batch_limits(platform, device_memory_gib, plan.max_model_len),
-        kernels=_kernel_rows(plan), disabled_kernels=config.cache.disabled_kernels)
+        kernels=_kernel_rows(plan), disabled_kernels=config.cache.disabled_kernels, dtype_reason=plan.dtype_reason)
 
 
 def _batch_limits(platform: Platform, device_memory_gib: float | None, max_model_len: int

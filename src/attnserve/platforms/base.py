@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnserve.arch import LayerKind
+from attnserve.platforms.cpu_info import CpuInfo
 
 __all__ = ["Platform"]
 
@@ -17,6 +18,7 @@ class Platform:
     device_name: str = ""
     # Backend names in order of preference, per layer kind.
     priorities: tuple[tuple[LayerKind, tuple[str, ...]], ...] = ()
+    cpu: CpuInfo | None = None  # the host CPU (cpu platform): dtype="auto" reads its flags
 
     def backend_priority(self, kind: LayerKind) -> tuple[str, ...]:
         for k, names in self.priorities:

@@ -9,10 +9,15 @@ fewer padded keys against one more call per layer), each bucket's K/V blocks gat
 pages (whole blocks, contiguous copies) into one padded batch and attended in one call with a
 padding/window mask. The buckets, their block ids, key positions and masks are built once per
 step and shared by every layer. Prefills (including chunks over a cached prefix) run one
-request at a time. GQA/MQA never repeat K/V per query head: a KV head's query heads are
-folded into the query length (masked calls) or SDPA's ``enable_gqa`` (causal prefills). ALiBi becomes an additive float mask; learned sinks and soft-capping, which
-SDPA cannot express, take an explicit float32 path. An fp8 cache stores ``x / scale`` in e4m3
-and is dequantised as it is read.
+request at a time: a plain causal prefill from position 0 in one causal SDPA call (torch's CPU
+flash attention: no [query x key] scores held), every other (a cached context, a window,
+ALiBi, sinks, soft-capping) through ``attend_prefill``, in query chunks that hold at most
+``PREFILL_SCORES_BUDGET`` [head x query x key] elements each, over only the keys the chunk's
+queries see. GQA/MQA never repeat K/V per query head: a KV head's query heads are folded into
+the query length (masked calls, the float32 path) or SDPA's ``enable_gqa`` (causal prefills).
+ALiBi becomes an additive float mask; learned sinks and soft-capping, which SDPA cannot
+express, take an explicit float32 path. An fp8 cache stores ``x / scale`` in e4m3 and is
+dequantised as it is read.
 """
 
 from __future__ import annotations
@@ -26,13 +31,16 @@ from attnserve.attention.backend import AttentionBackend, layer_features, tensor
 from attnserve.attention.backends.streaming import attend_streaming
 from attnserve.attention.metadata import CommonAttentionMetadata
 
-__all__ = ["TorchSDPABackend", "TorchSDPAMetadata", "attend"]
+__all__ = ["PREFILL_SCORES_BUDGET", "TorchSDPABackend", "TorchSDPAMetadata", "attend", "attend_prefill"]
 
 
 # a bucket's fixed cost per layer (a gather pair and an SDPA call), in padded key slots: the
 # split into buckets minimises padded keys + this per bucket (measured on CPU, bf16, 8/4 heads
 # of 64: about 0.1 us a key slot, 60-80 us a bucket)
 BUCKET_COST_KEYS = 512
+# the most [head x query x key] elements one masked prefill call holds (64 MiB as float32 scores;
+# its masks and distances are smaller): a longer prompt over a cached context runs in query chunks
+PREFILL_SCORES_BUDGET = 1 << 24
 
 
 @dataclass(slots=True)
@@ -114,10 +122,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dist: torch.Tensor
         bias = -slopes.view(1, -1, 1, 1) * dist[:, None].to(slopes.dtype)  # [B, H, Q, S]
         bias = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=layer.scale, enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * layer.scale  # [B, H, Q, S]
+    b, h, nq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    # a KV head's query heads folded into the query length: [B, Hkv, G * Q, D] (no K/V copies)
+    scores = torch.matmul(q.float().reshape(b, hkv, -1, d), k.float().transpose(-1, -2))
+    scores = scores.view(b, h, nq, s) * layer.scale  # [B, H, Q, S]
     if layer.softcap is not None:
         scores = layer.softcap * torch.tanh(scores / layer.softcap)
     if slopes is not None:
@@ -128,7 +137,40 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dist: torch.Tensor
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, vf).to(q.dtype)
+    out = torch.matmul(probs.reshape(b, hkv, -1, s), v.float())  # [B, Hkv, G * Q, Dv]
+    return out.view(b, h, nq, -1).to(q.dtype)
+
+
+def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, layer,
+                   budget: int | None = None) -> torch.Tensor:
+    """One request's prefill through ``attend``, in query chunks of bounded size.
+
+    Args:
+        q: [1, H, Q, D], query i at position ``context + i``; k, v: [1, Hkv, S, D(v)] in q's
+            dtype, the whole sequence (S = context + Q).
+        layer: as ``attend``'s.
+        budget: the most [head x query x key] elements a chunk's call holds (None:
+            ``PREFILL_SCORES_BUDGET``): ``budget // (H * S)`` queries (at least one) a chunk.
+    Returns:
+        [1, H, Q, Dv]; a single chunk is exactly ``attend`` over the whole sequence.
+    """
+    h, nq, s = q.shape[1], q.shape[2], k.shape[2]
+    rows = max(1, (PREFILL_SCORES_BUDGET if budget is None else budget) // (h * s))
+    if rows >= nq:
+        qpos = torch.arange(context, context + nq, device=q.device)
+        dist = (qpos[:, None] - torch.arange(s, device=q.device)[None, :])[None]  # [1, Q, S]
+        return attend(q, k, v, dist, torch.ones_like(dist, dtype=torch.bool), layer)
+    out = q.new_empty(1, h, nq, v.shape[-1])
+    for a in range(0, nq, rows):
+        end = min(nq, a + rows)
+        # the keys these queries see: none after the last of them, none before the window's start
+        hi = context + end
+        lo = 0 if layer.window is None else max(0, context + a - layer.window + 1)
+        qpos = torch.arange(context + a, hi, device=q.device)
+        dist = (qpos[:, None] - torch.arange(lo, hi, device=q.device)[None, :])[None]  # [1, rows, hi - lo]
+        out[:, :, a:end] = attend(q[:, :, a:end], k[:, :, lo:hi], v[:, :, lo:hi], dist,
+                                  torch.ones_like(dist, dtype=torch.bool), layer)
+    return out
 
 
 def _sdpa_shared_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -258,13 +300,11 @@ class TorchSDPABackend(AttentionBackend):
             keys = read(key_cache, blocks, layer.k_scale)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
             vals = read(value_cache, blocks, layer.v_scale)[:seq_len].transpose(0, 1).unsqueeze(0)
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            if plain and context == 0 and layer.window is None:
+            if plain and context == 0 and layer.window is None:  # flash attention: no scores held
                 o = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=layer.scale,
                                                    enable_gqa=True)
             else:
-                qpos = torch.arange(context, context + end - start, device=q.device)
-                dist = (qpos[:, None] - torch.arange(seq_len, device=q.device)[None, :])[None]
-                o = attend(qi, keys, vals, dist, torch.ones_like(dist, dtype=torch.bool), layer)
+                o = attend_prefill(qi, keys, vals, context, layer)
             out[start:end] = o[0].transpose(0, 1)
         return out
 
