@@ -2,7 +2,9 @@
 
 Covers: decode / prefill / mixed batches with chunks over cached context, float32, bfloat16
 and fp8 latent caches (the fp8 rows byte-exact to ``kvcache/fp8.py``), absorbed == expanded
-on random inputs, and slots of -1 that must not be written. Block 0 is the null block.
+on random inputs, slots of -1 that must not be written, and the chunked-context prefill
+(``prefill_expanded``) against the whole context at once, at lengths around its chunk. Block 0
+is the null block.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from attnserve.attention.backends.torch_mla import (
     TorchMLABackend,
     attend_absorbed,
     attend_expanded,
+    attention_lse,
+    context_chunk,
+    prefill_expanded,
 )
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.attention.reference_mla import (
@@ -235,3 +240,82 @@ def test_decode_sees_every_cached_key():
         out = backend.forward(layer, q, rows, None, {"latent": edited}, meta)
         assert (out - base).abs().max() > 1e-4, f"position {pos} was not attended"
     assert torch.equal(gather_latent(cache, table, 11)[10], rows[0])
+
+
+# ----------------------------------------------------------------------------- chunked context
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_lse_fused_equals_math(causal, dtype):
+    """The fused kernel's output and log-sum-exp equal the PyTorch twin's (V narrower and wider
+    than K: the kernels take one head size, the wrapper pads)."""
+    gen = torch.Generator().manual_seed(3)
+    for dv in (12, 40):
+        q, k = (torch.randn(1, HEADS, 33, 24, generator=gen).to(dtype) for _ in range(2))
+        v = torch.randn(1, HEADS, 33, dv, generator=gen).to(dtype)
+        out, lse = attention_lse(q, k, v, 0.3, causal)
+        ref, ref_lse = attention_lse(q, k, v, 0.3, causal, fused=False)
+        scores = (q.float() @ k.float().transpose(-1, -2)) * 0.3
+        if causal:
+            scores = scores.masked_fill(~torch.ones(33, 33, dtype=torch.bool).tril(), float("-inf"))
+        torch.testing.assert_close(ref_lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert out.shape == ref.shape == (1, HEADS, 33, dv)
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="square"):
+        attention_lse(q[:, :, :5], k, v, 0.3, causal=True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("context", [255, 256, 257, 600, 1030])
+def test_chunked_context_equals_whole(context, fused, monkeypatch):
+    """A prefill over a context longer than a chunk (256 keys here) equals the whole context at
+    once: every chunk boundary (just under, at, just over one chunk; several; a ragged last one)."""
+    if not fused:  # the PyTorch twin alone
+        from attnserve.attention.backends import torch_mla
+
+        monkeypatch.setattr(torch_mla, "_fused_lse", lambda *a: None)
+    gen = torch.Generator().manual_seed(context)
+    rank, q_len = 32, 37
+    seq = context + q_len
+    num_blocks = seq // BLOCK + 8
+    cache = torch.randn(num_blocks, BLOCK, rank + ROPE, generator=gen)
+    slots = (torch.randperm(num_blocks * BLOCK - BLOCK, generator=gen) + BLOCK)[:seq]
+    layer = make_layer(rank, gen)
+    q = torch.randn(q_len, HEADS, NOPE + ROPE, generator=gen)
+    whole = prefill_expanded(q, cache, slots, rank, ROPE, layer.w_kv_b, layer.scale, chunk=1 << 20)
+    chunked = prefill_expanded(q, cache, slots, rank, ROPE, layer.w_kv_b, layer.scale, chunk=256)
+    torch.testing.assert_close(chunked, whole, atol=2e-5, rtol=2e-5)
+    # and the whole-at-once path is the absorbed algebra over the same keys
+    latent = cache.view(-1, rank + ROPE)[slots][None]
+    torch.testing.assert_close(whole, attend_absorbed(q[None], latent, None, layer.w_kv_b, layer.scale)[0],
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_backend_prefill_over_long_context_is_chunked(monkeypatch):
+    """TORCH_MLA's prefill over a context past its chunk expands at most a chunk of it at a time
+    (the largest K/V it builds is bounded) and still matches the reference."""
+    from attnserve.attention.backends import torch_mla
+
+    monkeypatch.setattr(torch_mla, "_CONTEXT_ELEMENTS", 1)  # one 256-key chunk at a time
+    assert context_chunk(HEADS, NOPE + ROPE, NOPE, V) == 256
+    widest, expand = [], torch_mla._expand
+    monkeypatch.setattr(torch_mla, "_expand", lambda latent, *a: widest.append(latent.shape[0]) or expand(latent, *a))
+    gen = torch.Generator().manual_seed(11)
+    rank = 32
+    common, cache = make_batch([1, 20], [30, 700], rank + ROPE, torch.float32, gen, num_blocks=200)
+    layer = make_layer(rank, gen)
+    q = torch.randn(common.num_tokens, HEADS, NOPE + ROPE, generator=gen)
+    rows = torch.randn(common.num_tokens, rank + ROPE, generator=gen)
+    ref_cache = cache.clone()
+    write_latent(ref_cache, rows[:, :rank], rows[:, rank:], common.slot_mappings[0])
+    w = layer.w_kv_b
+    ref = mla_prefill_expanded(q[..., :NOPE], q[..., NOPE:], ref_cache, common.block_tables[0],
+                               common.query_start_loc, common.seq_lens, w_uk=w[:, :NOPE], w_uv=w[:, NOPE:],
+                               scale=layer.scale)
+    backend = TorchMLABackend(BLOCK)
+    out = backend.forward(layer, q, rows, None, {"latent": cache}, backend.build_metadata(common, 0))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert widest == [20, 256, 256, 188]  # the new tokens, then the 700-key context in chunks

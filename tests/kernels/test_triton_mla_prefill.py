@@ -80,13 +80,13 @@ def mla_step(batch, fp8: bool, seed: int = 0):
 @pytest.fixture
 def expanded(monkeypatch) -> list[int]:
     """Query lengths TRITON_MLA sends through the expanded path, in call order."""
-    lengths, attend = [], triton_mla.attend_expanded
+    lengths, attend = [], triton_mla.prefill_expanded
 
     def spy(q, *args):
-        lengths.append(q.shape[1])
+        lengths.append(q.shape[0])
         return attend(q, *args)
 
-    monkeypatch.setattr(triton_mla, "attend_expanded", spy)
+    monkeypatch.setattr(triton_mla, "prefill_expanded", spy)
     return lengths
 
 

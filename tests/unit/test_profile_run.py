@@ -1,9 +1,11 @@
 """The profiling pass (engine/profile_run.py): on CUDA it runs before the KV cache is sized.
 
 Here it is forced on CPU: for one family of each cache type (dense GQA, sliding windows, MoE,
-MLA, DSA, a hybrid with state layers) an engine built after the pass must produce what an
-engine built without it produces (the pass binds temporary caches and state slots, which the
-real allocation must replace completely), and the dummy lengths must fill the step budget.
+MLA, DSA, a hybrid with state layers) an engine built after the pass, its long step included,
+must produce what an engine built without it produces (the pass binds temporary caches and
+state slots, which the real allocation must replace completely), and the dummy lengths must
+fill the step budget. The long step reaches what grows with the context: an MLA prefill's
+context chunks, and prompt logprobs a bounded slice of rows at a time.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import pytest
 
 from attnserve import LLM, SamplingParams
+from attnserve.attention.backends import torch_mla
 from attnserve.engine import builder, profile_run
+from attnserve.runner import model_runner
 from tests.models.parity import build_hf_model, make_prompts
 from tests.models.test_parity_dsa import FAMILIES as DSA
 from tests.models.test_parity_hybrid import HYBRID
@@ -67,6 +71,7 @@ def test_engine_after_the_pass_equals_one_without(family, tmp_path, monkeypatch)
 
     monkeypatch.setattr(builder, "_PROFILED_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(profile_run, "_WARM_UP_DEVICES", ("cuda", "cpu"))  # and its warm-up prefills
+    monkeypatch.setattr(profile_run, "_LONG_STEP_DEVICES", ("cuda", "cpu"))  # and its long step
     monkeypatch.setattr(builder, "profile_step", spy)
     profiled = LLM(str(tmp_path), **engine).generate(prompts, params)
     assert ran == [None]  # it ran, and measures memory on CUDA only
@@ -75,3 +80,41 @@ def test_engine_after_the_pass_equals_one_without(family, tmp_path, monkeypatch)
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok, lp in x.items():
                 assert abs(lp.logprob - y[tok].logprob) <= 1e-5
+
+
+@pytest.mark.parametrize(("tokens", "max_len", "expected"), [(8192, 131072, (122879, 8192)), (2048, 1024, (0, 1023)),
+                                                            (64, 256, (191, 64)), (16, 2, (0, 1))])
+def test_long_step_follows_the_longest_context(tokens, max_len, expected):
+    context, new = profile_run.long_step_lengths(tokens, max_len)
+    assert (context, new) == expected and context + new <= max_len - 1
+
+
+def test_long_step_reaches_the_chunked_context_and_sliced_prompt_logprobs(tmp_path, monkeypatch):
+    """The pass's long step runs one chunk after a context of several MLA chunks (each expanded
+    alone), with prompt logprobs computed a few rows at a time; the engine then serves a long
+    prompt with prompt logprobs exactly as it does without the slicing."""
+    model_type, kwargs = FAMILIES["deepseek_v3"]
+    build_hf_model(model_type, dict(kwargs, max_position_embeddings=1024), tmp_path)
+    monkeypatch.setattr(torch_mla, "_CONTEXT_ELEMENTS", 1)  # chunks of 256 keys
+    calls, real = [], torch_mla.prefill_expanded
+
+    def spy(q, cache, slots, *args, **kw):
+        calls.append((q.shape[0], slots.shape[0]))
+        return real(q, cache, slots, *args, **kw)
+
+    monkeypatch.setattr(torch_mla, "prefill_expanded", spy)
+    monkeypatch.setattr(builder, "_PROFILED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(profile_run, "_LONG_STEP_DEVICES", ("cuda", "cpu"))
+    engine = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(str(tmp_path), **engine)
+    assert (64, 1023) in calls  # the long step: 64 new tokens after 959 of context (four chunks)
+    prompt = make_prompts([700], vocab=kwargs["vocab_size"])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    whole = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    monkeypatch.setattr(model_runner, "_PROMPT_LOGPROB_ELEMENTS", kwargs["vocab_size"] * 5)  # 5 rows a slice
+    sliced = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    assert whole.outputs[0].token_ids == sliced.outputs[0].token_ids
+    assert len(sliced.prompt_logprobs) == 700 and sliced.prompt_logprobs[0] is None
+    for a, b in zip(whole.prompt_logprobs[1:], sliced.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) <= 1e-5 and a[t].rank == b[t].rank for t in a)

@@ -116,6 +116,28 @@ class Scheduler:
         jobs = self.offload.take_jobs() if self.offload is not None else None
         return SchedulerOutput(tuple(scheduled), tuple(preempted), self.kv.take_state_copies(), jobs)
 
+    def schedule_after_context(self, req: Request, context: int) -> SchedulerOutput:
+        """The profiling pass's long step: ``req`` runs alone, its first ``context`` tokens
+        counted as computed (their blocks allocated, never written: the pass measures memory,
+        not values), then its next chunk of up to ``max_num_batched_tokens`` tokens over them.
+
+        Raises:
+            ValueError: ``context`` leaves no token of ``req`` to compute.
+            RuntimeError: the pool cannot hold the request.
+        """
+        num_new = min(req.num_tokens - context, self.config.max_num_batched_tokens)
+        if context < 0 or num_new < 1:
+            raise ValueError(f"a context of {context} leaves nothing of {req.num_tokens} tokens to compute")
+        if not self.kv.allocate_slots(req, context + num_new):
+            raise RuntimeError(f"the pool of {self.kv.pool.num_free_blocks} free blocks cannot hold "
+                               f"{context + num_new} tokens")
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.num_computed_tokens = context
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return SchedulerOutput((self._scheduled(req, num_new),))
+
     # --- failed steps ------------------------------------------------------------------------
     def reset_after_fault(self, requests: list[Request]) -> None:
         """Undo what a failed step scheduled for ``requests`` and queue them to rerun alone.

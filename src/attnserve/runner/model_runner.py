@@ -61,7 +61,7 @@ class StepBroadcast(Protocol):
     (``runner/worker.StepBroadcaster``), which then run the same forward."""
 
     def broadcast_step(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                       state_copies: tuple[tuple[int, int], ...], logit_rows: list[int]) -> None: ...
+                       state_copies: tuple[tuple[int, int], ...], logit_rows: list[list[int]]) -> None: ...
 
 @dataclass(slots=True)
 class StepHandle:
@@ -84,6 +84,19 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
+
+
+# Elements of the [rows, vocab] float32 logprobs that prompt logprobs compute at a time (2^25:
+# 128 MiB, 256 rows of a 129K vocabulary): the slice the profiling pass measures, whatever the chunk.
+_PROMPT_LOGPROB_ELEMENTS = 1 << 25
+
+
+def _cat_logprobs(parts: list[LogprobsTensors]) -> LogprobsTensors:
+    """One request's prompt logprobs from its slices, in row order."""
+    if len(parts) == 1:
+        return parts[0]
+    return LogprobsTensors(torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]),
+                           torch.cat([p.ranks for p in parts]))
 
 
 def _lp_to_host(lp: LogprobsTensors) -> LogprobsTensors:
@@ -227,14 +240,19 @@ class ModelRunner:
         qsl = ctx.common.query_start_loc_cpu
         sample_reqs = [s.request for s in scheduled if s.samples]
         rows = [qsl[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]  # rows needing logits
-        prompt_spans = []
+        prompt_spans = []  # (scheduled, first, last, first row of hidden)
         for i, s in enumerate(scheduled):
             span = self._prompt_span(s) if s.request.wants_prompt_logprobs else None
             if span is not None:
-                prompt_spans.append((s, *span))
-                rows.extend(range(qsl[i] + span[0] - s.start, qsl[i] + span[1] - s.start))
+                prompt_spans.append((s, *span, qsl[i] + span[0] - s.start))
+        # prompt logprobs a bounded slice of rows at a time: a whole chunk's [rows, V] float32
+        # would be gigabytes (8K rows of a 129K vocabulary: 4 GiB) that the memory plan never had
+        step = max(1, _PROMPT_LOGPROB_ELEMENTS // self.arch.vocab_size)
+        prompt_slices = [(s, a, min(a + step, last), row + a - first)
+                         for s, first, last, row in prompt_spans for a in range(first, last, step)]
+        head_calls = ([rows] if rows else []) + [list(range(row, row + b - a)) for _, a, b, row in prompt_slices]
         if self.broadcaster is not None:  # the other ranks run the same forward and output head
-            self.broadcaster.broadcast_step(input_ids, ctx, output.state_copies, rows)
+            self.broadcaster.broadcast_step(input_ids, ctx, output.state_copies, head_calls)
         if self.graphs is not None and self.graphs.can_run(ctx.common):
             hidden = self.graphs.run(input_ids, ctx)
         else:
@@ -242,17 +260,14 @@ class ModelRunner:
                 hidden = self.model(input_ids, ctx.common.positions)
         handle = StepHandle(sample_reqs)
         self._unsampled = handle
-        if not rows:
-            return handle
-        index = rows if self.device.type == "cpu" else self._to_device(np.array(rows, dtype=np.int64))
-        logits = self.model.compute_logits(hidden[index])  # [len(rows), V]
-        if sample_reqs:
-            handle.logits = logits[: len(sample_reqs)]
-        offset = len(sample_reqs)
-        for s, first, last in prompt_spans:
-            lp = self._prompt_logprobs(logits[offset: offset + last - first], s, first, last)
-            handle.prompt.append((s.request.request_id, _lp_to_host(lp)))
-            offset += last - first
+        if rows:
+            index = rows if self.device.type == "cpu" else self._to_device(np.array(rows, dtype=np.int64))
+            handle.logits = self.model.compute_logits(hidden[index])  # [len(rows), V]
+        parts: dict[str, list[LogprobsTensors]] = {}
+        for s, a, b, row in prompt_slices:
+            lp = self._prompt_logprobs(self.model.compute_logits(hidden[row: row + b - a]), s, a, b)
+            parts.setdefault(s.request.request_id, []).append(lp)
+        handle.prompt = [(rid, _lp_to_host(_cat_logprobs(lps))) for rid, lps in parts.items()]
         return handle
 
     @torch.inference_mode()

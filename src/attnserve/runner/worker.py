@@ -51,7 +51,7 @@ class StepHeader:
     max_seq_len: int
     num_state_decodes: int
     state_copies: tuple[tuple[int, int], ...]  # snapshot copies to run before the forward
-    logit_rows: list[int]  # rows of the hidden states that go through the output head
+    logit_rows: list[list[int]]  # rows of the hidden states through the output head, one list a call
 
 
 def step_group() -> dist.ProcessGroup:
@@ -140,7 +140,7 @@ class StepBroadcaster:
         input_ids: torch.Tensor,
         ctx: ForwardContext,
         state_copies: tuple[tuple[int, int], ...],
-        logit_rows: list[int],
+        logit_rows: list[list[int]],
     ) -> None:
         """Send one step's inputs to the workers (they then run the same forward)."""
         layout, flat = _pack(_step_tensors(input_ids, ctx))
@@ -155,7 +155,7 @@ class StepBroadcaster:
             c.max_seq_len,
             c.num_state_decodes,
             tuple(state_copies),
-            list(logit_rows),
+            [list(rows) for rows in logit_rows],
         )
         dist.broadcast_object_list([header], src=0, group=self.group)
         dist.broadcast(flat, src=0)
@@ -204,8 +204,8 @@ def _execute(runner: ModelRunner, header: StepHeader, tensors: dict[str, torch.T
     ctx = _context(header, tensors, runner)
     with forward_context(ctx):
         hidden = runner.model(tensors["input_ids"], ctx.common.positions)
-    if header.logit_rows:  # a collective: rank 0 gathers every rank's vocabulary slice
-        runner.model.compute_logits(hidden[header.logit_rows])
+    for rows in header.logit_rows:  # each a collective: rank 0 gathers every rank's vocabulary slice
+        runner.model.compute_logits(hidden[rows])
 
 
 def serve_steps(runner: ModelRunner, group: dist.ProcessGroup) -> None:

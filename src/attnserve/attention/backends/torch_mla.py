@@ -8,8 +8,12 @@ to its slot, in the model dtype or in the 656-byte fp8 layout of ``kvcache/fp8.p
   as a single KV head whose value is the first ``kv_lora_rank`` dims, and ``W_UV`` maps the
   result back to per-head values;
 - prefills (a whole prompt, a chunk over earlier chunks, or a prompt after a prefix-cache
-  hit) run in the expanded ("MHA") form, one request at a time: every cached latent of the
-  sequence, earlier chunks included, is expanded through ``kv_b_proj`` into per-head K/V.
+  hit) run in the expanded ("MHA") form, one request at a time (``prefill_expanded``): every
+  cached latent of the sequence, earlier chunks included, is expanded through ``kv_b_proj``
+  into per-head K/V. Past ``context_chunk`` keys the context is expanded a chunk at a time
+  into a bounded workspace, each chunk's attention kept with its log-sum-exp
+  (``attention_lse``) and the partials merged (``merge_partials``), as vLLM's chunked-context
+  MLA prefill does: the memory of a prefill no longer grows with its context.
 
 Both forms read the latents back from the cache, so an fp8 cache is seen the same way by
 every token. The arguments follow the backend contract with MLA meanings: ``q`` is
@@ -35,7 +39,11 @@ __all__ = [
     "TorchMLAMetadata",
     "attend_absorbed",
     "attend_expanded",
+    "attention_lse",
+    "context_chunk",
+    "merge_partials",
     "pack_latent_rows",
+    "prefill_expanded",
     "read_latent",
     "scatter_rows",
     "write_latent_rows",
@@ -182,6 +190,153 @@ def attend_expanded(
     return out.transpose(1, 2)
 
 
+# Elements of the largest tensors one context chunk of the expanded prefill holds at once: its
+# K/V expanded through kv_b_proj (d_nope + d_v per head and key), its K with k_pe and its V padded
+# to K's width (the fused kernels take one head size). 2^28 in bf16 is 512 MiB: DeepSeek-V3's
+# 128 heads get chunks of 3,072 keys, 16 heads (TP 8) 26,624. A prefill's context beyond one
+# chunk costs time, not memory.
+_CONTEXT_ELEMENTS = 1 << 28
+_CHUNK_ALIGN = 256
+
+
+def context_chunk(num_heads: int, head_size: int, nope_dim: int, v_dim: int) -> int:
+    """Keys of the context one chunk of ``prefill_expanded`` expands at a time (a multiple of 256)."""
+    per_key = num_heads * (nope_dim + v_dim + 2 * max(head_size, v_dim))
+    return max(_CHUNK_ALIGN, _CONTEXT_ELEMENTS // per_key // _CHUNK_ALIGN * _CHUNK_ALIGN)
+
+
+def _math_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    """``attention_lse`` in plain PyTorch (the twin of the fused kernels, and their fallback):
+    query rows in chunks that bound the [B, H, rows, S] float32 scores at 2^24 elements."""
+    b, h, q_len, _ = q.shape
+    s_len = k.shape[2]
+    out = q.new_empty(b, h, q_len, v.shape[-1], dtype=torch.float32)
+    lse = q.new_empty(b, h, q_len, dtype=torch.float32)
+    step = max(1, (1 << 24) // max(1, b * h * s_len))
+    for a in range(0, q_len, step):
+        e = min(a + step, q_len)
+        scores = torch.matmul(q[:, :, a:e].float(), k.float().transpose(-1, -2)) * scale
+        if causal:  # square causal block: query i sees keys 0..i (top-left aligned, as the kernels)
+            seen = torch.arange(s_len, device=q.device)[None, :] <= torch.arange(a, e, device=q.device)[:, None]
+            scores = scores.masked_fill(~seen, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        out[:, :, a:e] = torch.matmul(torch.exp(scores - row_lse[..., None]), v.float())
+        lse[:, :, a:e] = row_lse
+    return out, lse
+
+
+def _fused_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    """PyTorch's fused attention kernels that also return the log-sum-exp (their SDPA does
+    not): flash attention (fp16/bf16, one head size: V is padded) where it runs, else the
+    memory-efficient kernel on CUDA. None where neither takes the call."""
+    d, dv = k.shape[-1], v.shape[-1]
+    if q.device.type == "cpu":
+        if dv != d:  # zero columns of V add zero columns to the output
+            v = F.pad(v, (0, d - dv)) if dv < d else v
+            if dv > d:  # zero columns of q and K add nothing to the scores
+                q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+        return out[..., :dv], lse
+    if q.device.type == "cuda":
+        if q.dtype in (torch.float16, torch.bfloat16) and max(d, dv) <= 256:
+            width = max(d, dv)
+            qp, kp, vp = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False,
+                                                                          scale=scale)[:2]
+            return out[..., :dv], lse
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+        return out, lse[..., : q.shape[2]]
+    return None
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+                  *, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and each query row's log-sum-exp of its scaled scores (natural log).
+
+    Args:
+        q: [B, H, Q, D]; k: [B, H, S, D]; v: [B, H, S, Dv], one dtype.
+        scale: softmax scale.
+        causal: query i sees keys 0..i (a square block: Q == S); else every key.
+        fused: False runs the PyTorch math twin (what the tests compare the kernels against).
+    Returns:
+        out [B, H, Q, Dv] (q's dtype from a fused kernel, float32 from the twin) and
+        lse [B, H, Q] float32.
+    """
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"a causal block is square: {q.shape[2]} queries over {k.shape[2]} keys")
+    if fused:
+        try:
+            result = _fused_lse(q, k, v, scale, causal)
+        except (RuntimeError, NotImplementedError):  # a shape or dtype the kernels do not take
+            result = None
+        if result is not None:
+            return result
+    return _math_lse(q, k, v, scale, causal)
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold the attention ``part`` over more keys into ``out`` in place, by their log-sum-exps:
+    ``out`` [..., Q, Dv] float32 and ``lse`` [..., Q] float32 become those over both key sets."""
+    new = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - new)[..., None]).add_(part.float() * torch.exp(part_lse - new)[..., None])
+    lse.copy_(new)
+
+
+def _expand(latent: torch.Tensor, w_kv_b: torch.Tensor, d_nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent rows [S, L + R] -> per-head K [H, S, d_nope + R] and V [H, S, d_v]."""
+    num_heads, kv_lora_rank = w_kv_b.shape[0], w_kv_b.shape[-1]
+    kv = F.linear(latent[:, :kv_lora_rank], w_kv_b.reshape(-1, kv_lora_rank)).view(latent.shape[0], num_heads, -1)
+    k_pe = latent[:, None, kv_lora_rank:].expand(-1, num_heads, -1)
+    k = torch.cat([kv[..., :d_nope], k_pe], dim=-1).transpose(0, 1)
+    return k, kv[..., d_nope:].transpose(0, 1)
+
+
+def prefill_expanded(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_lora_rank: int,
+    rope_dim: int,
+    w_kv_b: torch.Tensor,
+    scale: float,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """One request's prefill in the expanded form, the context in chunks of bounded memory.
+
+    Args:
+        q: [Q, H, d_nope + R] the request's new tokens, the last Q of its keys.
+        cache: the paged latent cache; slots: [S] its keys' cache rows in position order (S >= Q).
+        kv_lora_rank, rope_dim: L and R; w_kv_b: [H, d_nope + d_v, L] in q's dtype.
+        scale: softmax scale.
+        chunk: context keys expanded at a time (default ``context_chunk`` of the layer's shape).
+    Returns:
+        [Q, H, d_v] in q's dtype. At most ``chunk`` keys (the new ones aside) it is
+        ``attend_expanded`` over all keys at once; past that, the new tokens attend causally among
+        themselves and to each context chunk, and the partials merge by their log-sum-exps.
+    """
+    q_len, num_heads = q.shape[:2]
+    d_nope = q.shape[-1] - rope_dim
+    d_v = w_kv_b.shape[1] - d_nope
+    s_len = slots.shape[0]
+    chunk = chunk or context_chunk(num_heads, q.shape[-1], d_nope, d_v)
+    context = s_len - q_len
+    if context <= chunk:
+        latent = read_latent(cache, slots, kv_lora_rank, rope_dim, q.dtype)[None]  # [1, S, L + R]
+        return attend_expanded(q[None], latent, None, w_kv_b, scale)[0]
+    qh = q.transpose(0, 1)[None]  # [1, H, Q, dq]
+    k, v = _expand(read_latent(cache, slots[context:], kv_lora_rank, rope_dim, q.dtype), w_kv_b, d_nope)
+    part, lse = attention_lse(qh, k[None], v[None], scale, causal=True)
+    out = part.float()
+    for a in range(0, context, chunk):
+        k, v = _expand(read_latent(cache, slots[a : min(a + chunk, context)], kv_lora_rank, rope_dim, q.dtype),
+                       w_kv_b, d_nope)
+        part, part_lse = attention_lse(qh, k[None], v[None], scale)
+        merge_partials(out, lse, part, part_lse)
+        del k, v, part, part_lse
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
 class TorchMLABackend(AttentionBackend):
     name = "TORCH_MLA"
 
@@ -221,7 +376,5 @@ class TorchMLABackend(AttentionBackend):
             mask = metadata.decode_valid[:, None, :]  # [B, 1, S]
             out[:nd] = attend_absorbed(q[:nd, None], latent, mask, w_kv_b, layer.scale)[:, 0]
         for start, end, slots in metadata.prefills:
-            latent = read_latent(cache, slots, rank, rope, q.dtype)[None]  # [1, S, L + R]
-            o = attend_expanded(q[None, start:end], latent, None, w_kv_b, layer.scale)
-            out[start:end] = o[0]
+            out[start:end] = prefill_expanded(q[start:end], cache, slots, rank, rope, w_kv_b, layer.scale)
         return out

@@ -13,7 +13,8 @@ DeepSeek class (bf16, rank 512, 64-row pages; 64+ heads, or fewer padded to 64 r
 kernel (``ops/mla/decode_gluon``); from Hopper on, model-dtype rows in pages of a multiple of 64
 at 33+ heads by whole-page TMA tiles (``ops/mla/decode_triton_tma``); otherwise rows gathered by
 pointer (``ops/mla/decode_triton``; any page, fp8 rows). All three take ``mla_decode``'s call.
-Longer prefills keep TORCH_MLA's expanded PyTorch path (``mla.expanded``), one request at a time.
+Longer prefills keep TORCH_MLA's expanded PyTorch path (``mla.expanded``, ``prefill_expanded``), one
+request at a time, its context expanded a bounded chunk at a time.
 The per-row metadata is built once per step in ``build_metadata`` (device tensors plus host
 bounds: no sync in ``forward``); a decode-only batch builds only slices of the common tensors,
 so CUDA graphs capture it. Not here: the kernels (``ops/mla/decode_triton.py``), sparse MLA
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from attnserve.attention.backend import AttentionBackend, tensor_problem
-from attnserve.attention.backends.torch_mla import attend_expanded, read_latent, write_latent_rows
+from attnserve.attention.backends.torch_mla import prefill_expanded, write_latent_rows
 from attnserve.attention.metadata import CommonAttentionMetadata
 from attnserve.platforms import to_device
 
@@ -161,8 +162,6 @@ class TritonMLABackend(AttentionBackend):
                 out[:n] = apply_w_uv(u, w_kv_b, d_nope)
             else:
                 out.index_copy_(0, rows, apply_w_uv(u, w_kv_b, d_nope))
-        for start, end, slots in metadata.prefills:
-            latent = read_latent(cache, slots, rank, rope, q.dtype)[None]  # [1, S, L + R]
-            o = attend_expanded(q[None, start:end], latent, None, w_kv_b, layer.scale)
-            out[start:end] = o[0]
+        for start, end, slots in metadata.prefills:  # the context in chunks of bounded memory
+            out[start:end] = prefill_expanded(q[start:end], cache, slots, rank, rope, w_kv_b, layer.scale)
         return out

@@ -63,7 +63,7 @@ class IndexerConfig:
     (each request's visible tiles split evenly over its programs, at least ``MIN_TILES``
     each); ``fp8_dot``: e4m3 keys and queries straight into the dot on a GPU (wgmma e4m3:
     products exact, but Hopper's fp8 accumulation keeps fewer bits than fp32, about 14 by the
-    DeepSeek-V3 report), else converted to fp16 first (fp32 sums, as the tiled kernel).
+    DeepSeek-V3 report), else converted to fp16 first (fp32 sums), in either kernel.
     """
 
     block_t: int
@@ -120,7 +120,7 @@ def pick_indexer_config(
         return IndexerConfig(1, 32 if small else 64, 4, 5, stream=True)
     block_t = max(1, (64 if small else 128) // heads_pad)
     block_t = min(block_t, pow2(max_query_len))
-    return IndexerConfig(block_t, 64, 4 if small else 8, 1 if interpret else 2)
+    return IndexerConfig(block_t, 64, 4 if small else 8, 1 if interpret else 2, fp8_dot=False)
 
 
 # fmt: off
@@ -354,7 +354,7 @@ def indexer_logits(
     out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or width == 0:
         return out
-    fp8_dot = fp8 and cfg.stream and cfg.fp8_dot and not interpret
+    fp8_dot = fp8 and cfg.fp8_dot and not interpret
     if fp8:  # e4m3 values are exact in fp16 (a native conversion, unlike bf16): products exact, sums fp32
         dt = tl.float8e4nv if fp8_dot else tl.float32 if interpret else tl.float16
     else:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from attnserve import env
 
-__all__ = ["CHUNK", "topk_rows"]
+__all__ = ["CHUNK", "sortable_key", "topk_rows"]
 
 # columns per program on a GPU (benchmarks/gpu_dsa_probe.py micro; H200, graph-timed): top-2,048
 # of 8 rows of 8K took 30 / 38 / 51 us at 1K / 2K / 4K (torch.topk 48); 64 rows of 32K 92 / 84 /
@@ -39,7 +39,7 @@ CHUNK = 2048
 
 # fmt: off
 @triton.jit
-def _sortable(x):
+def sortable_key(x):
     """float32 -> uint32 key with the same order (-inf lowest among the floats)."""
     bits = x.to(tl.int32, bitcast=True)
     flip = (bits >> 31) | -2147483648  # all ones for a negative number, else the sign bit
@@ -51,7 +51,7 @@ def _tile_histogram(src, start, n, prefix, BLOCK: tl.constexpr, SHIFT: tl.conste
     """256-bin histogram of key byte SHIFT over one tile, among finite keys matching ``prefix``."""
     offs = start + tl.arange(0, BLOCK)
     x = tl.load(src + offs, mask=offs < n, other=float("-inf"))
-    key = _sortable(x)
+    key = sortable_key(x)
     live = (offs < n) & (x > float("-inf"))
     if not FIRST:
         live = live & ((key >> (SHIFT + 8)) == prefix)
@@ -63,7 +63,7 @@ def _tile_select(src, dst, start, n, threshold, equal_quota, written, equal_seen
     """Write the tile's keys above ``threshold``, and equal ones while the quota lasts."""
     offs = start + tl.arange(0, BLOCK)
     x = tl.load(src + offs, mask=offs < n, other=float("-inf"))
-    key = _sortable(x)
+    key = sortable_key(x)
     live = (offs < n) & (x > float("-inf"))
     equal = live & (key == threshold)
     equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
@@ -184,7 +184,7 @@ def _tile_count(src, start, n, threshold, BLOCK: tl.constexpr):
     """(keys above ``threshold``, keys equal to it) among the tile's finite keys."""
     offs = start + tl.arange(0, BLOCK)
     x = tl.load(src + offs, mask=offs < n, other=float("-inf"))
-    key = _sortable(x)
+    key = sortable_key(x)
     live = (offs < n) & (x > float("-inf"))
     above = tl.sum((live & (key > threshold)).to(tl.int32), 0)
     return above, tl.sum((live & (key == threshold)).to(tl.int32), 0)
