@@ -6,12 +6,17 @@ takes the same keywords as ``LLM(...)`` and the command line (vLLM's names, with
 
 from __future__ import annotations
 
+import math
+import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = [
     "CacheConfig",
+    "DEVICE_PATTERN",
     "EngineConfig",
+    "KV_CACHE_DTYPES",
     "ModelConfig",
     "OffloadConfig",
     "ParallelConfig",
@@ -20,6 +25,40 @@ __all__ = [
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the cache dtype names (kvcache/spec.py maps each to a storage dtype)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32",
+                   "float")
+DEVICE_PATTERN = r"cpu|cuda(:\d+)?"
+_INT64_MAX = 2**63 - 1
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int = _INT64_MAX, optional: bool = True) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is an int in [lo, hi] (or None)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{' (or None)' if optional else ''}, "
+                         f"got {value!r}")
+
+
+def _check_positive(name: str, value: Any, unit: str = "", optional: bool = True) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is a positive finite number (or None)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number{unit}, got {value!r}")
+
+
+def _check_str(name: str, value: Any, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string{' (or None)' if optional else ''}, got {value!r}")
+
+
+def _check_bool(name: str, value: Any, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 # who builds the engine: the offline ``LLM`` class (and generate, bench) or the OpenAI server;
 # the batch limits' defaults depend on it (``engine/batch_limits.py``)
 USAGE_CONTEXTS = ("llm", "server")
@@ -28,7 +67,9 @@ USAGE_CONTEXTS = ("llm", "server")
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str
-    dtype: str = "auto"  # auto: the checkpoint's dtype (on CPU too: pass float32 for exactness)
+    # auto: the checkpoint's dtype; on CPU bfloat16 where the CPU has native bf16 dot products
+    # (AVX512_BF16, AMX-BF16), else float32 (engine/plan.resolve_dtype): pass float32 for exactness
+    dtype: str = "auto"
     load_format: str = "auto"  # auto | safetensors | dummy
     max_model_len: int | None = None
     tokenizer: str | None = None  # a tokenizer directory other than the model's
@@ -44,12 +85,20 @@ class ModelConfig:
     check_weights_finite: bool = True  # NaN/Inf in the loaded weights is an error (one pass on the device)
 
     def __post_init__(self) -> None:
+        _check_str("model", self.model, optional=False)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got '{self.dtype}'")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got '{self.load_format}'")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        _check_int("max_model_len", self.max_model_len, 1, 1 << 31)
+        for name in ("tokenizer", "revision", "served_model_name"):
+            _check_str(name, getattr(self, name))
+        _check_str("generation_config", self.generation_config, optional=False)
+        _check_int("seed", self.seed, -_INT64_MAX - 1, optional=False)
+        if self.device is not None and not (isinstance(self.device, str) and re.fullmatch(DEVICE_PATTERN, self.device)):
+            raise ValueError(f"device must be cpu, cuda or cuda:N (or None: this machine's platform), got "
+                             f"{self.device!r}")
+        _check_bool("enforce_eager", self.enforce_eager)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be a non-negative integer or -1 (no cap), got {self.max_logprobs!r}")
         if not isinstance(self.check_weights_finite, bool):
@@ -82,12 +131,19 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size is not None and (
                 isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
-                or self.block_size <= 0 or self.block_size & (self.block_size - 1)):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive GiB, got {self.kv_cache_memory}")
+                or self.block_size <= 0 or self.block_size & (self.block_size - 1) or self.block_size > 1 << 16):
+            raise ValueError(f"block_size must be a positive power of two (at most 65536), got {self.block_size!r}")
+        for name in ("kv_cache_dtype", "indexer_cache_dtype", "mamba_ssm_cache_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value.lower() not in KV_CACHE_DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+        if isinstance(self.gpu_memory_utilization, bool) or \
+                not isinstance(self.gpu_memory_utilization, (int, float)) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check_positive("kv_cache_memory", self.kv_cache_memory, " of GiB")
+        _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 2)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_str("attention_backend", self.attention_backend)
         if self.num_state_snapshots is not None and not (
                 isinstance(self.num_state_snapshots, int) and not isinstance(self.num_state_snapshots, bool)
                 and 0 <= self.num_state_snapshots <= 1 << 20):
@@ -101,6 +157,8 @@ class CacheConfig:
                 isinstance(n, str) and n for n in self.disabled_kernels):
             raise ValueError(f"disabled_kernels must be a list of kernel variant names, got {self.disabled_kernels!r}")
         object.__setattr__(self, "disabled_kernels", tuple(self.disabled_kernels))
+        _check_int("streaming_sinks", self.streaming_sinks, 0, 1 << 31)
+        _check_int("streaming_window", self.streaming_window, 1, 1 << 31)
         if (self.streaming_sinks is None) != (self.streaming_window is None):
             raise ValueError("streaming_sinks and streaming_window go together")
         if self.streaming_window is not None and (self.streaming_window <= 0 or self.streaming_sinks < 0):
@@ -119,11 +177,13 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name, most in (("max_num_seqs", 1 << 20), ("max_num_batched_tokens", 1 << 31)):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer (or None: the platform's default), "
-                                 f"got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most):
+                raise ValueError(f"{name} must be a positive integer of at most {most} (or None: the platform's "
+                                 f"default), got {value!r}")
+        _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        _check_bool("async_scheduling", self.async_scheduling, optional=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +191,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) or \
+                not 1 <= self.tensor_parallel_size <= 1 << 10:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (and at most 1024), got {self.tensor_parallel_size!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,14 +210,15 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if self.kv_offloading_backend not in ("host", "disk"):
             raise ValueError(f"kv_offloading_backend must be host or disk, got '{self.kv_offloading_backend}'")
-        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
-            raise ValueError("kv_offloading_size must be positive GiB")
+        _check_positive("kv_offloading_size", self.kv_offloading_size, " of GiB")
+        if self.kv_offloading_dir is not None and not isinstance(self.kv_offloading_dir, (str, os.PathLike)):
+            raise ValueError(f"kv_offloading_dir must be a directory path, got {self.kv_offloading_dir!r}")
+        _check_bool("kv_offload_sparse_latents", self.kv_offload_sparse_latents)
         if self.kv_offload_sparse_latents_size is not None:
             if not self.kv_offload_sparse_latents:
                 raise ValueError("kv_offload_sparse_latents_size sizes the host store of "
                                  "kv_offload_sparse_latents: set that too")
-            if self.kv_offload_sparse_latents_size <= 0:
-                raise ValueError("kv_offload_sparse_latents_size must be positive GiB")
+            _check_positive("kv_offload_sparse_latents_size", self.kv_offload_sparse_latents_size, " of GiB")
 
 
 @dataclass(frozen=True, slots=True)

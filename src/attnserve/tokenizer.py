@@ -7,6 +7,12 @@ Two implementations behind one small base class:
 - ``ByteTokenizer``: ids 0..255 are the UTF-8 bytes of the text, for model directories that ship
   no tokenizer (random test models) and for CPU logic tests.
 
+Encoding releases the GIL while the Rust side works (``encode_batch_fast``; ``tokenizers``' own
+``encode`` holds it), so a long text tokenised on a worker thread leaves the server's event loop
+running. ``max_chars_per_token`` bounds how many characters one token can stand for, where the
+pipeline in ``tokenizer.json`` proves one: a text longer than ``max_model_len`` times it cannot
+fit the model, and is refused before it is tokenised.
+
 This is not a port of transformers: no slow (Python or SentencePiece) tokenizers, no padding,
 truncation or batching, no tokenizer-class specific rebuilding; ``tokenizer.json`` is the truth.
 Incremental (streaming) decoding lives in ``detokenizer.py``.
@@ -45,6 +51,7 @@ _NAMED_TOKENS = tuple(f"{n}_token" for n in ("bos", "eos", "unk", "sep", "pad", 
 # Tokenizer files we cannot load without tokenizer.json: better an error than silent bytes.
 _UNSUPPORTED_FILES = ("tokenizer.model", "spiece.model", "tekken.json", "vocab.json", "vocab.txt")
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+_LONG_DECODE = 4096  # ids: decoded without holding the GIL
 _NO_MAX_LENGTH = 10**29  # transformers writes int(1e30) for "no limit"
 _NO_TEMPLATE = (
     "this model has no chat template (none in tokenizer_config.json or chat_template.jinja): "
@@ -134,6 +141,9 @@ class Tokenizer(abc.ABC):
     eos_token_id: int | None
     all_special_ids: set[int]  # named special tokens and every id that decode() can skip
     model_max_length: int | None = None
+    # the most characters of a text one token can stand for (so a text of c characters has at
+    # least c / max_chars_per_token tokens); None where the tokenizer proves no such bound
+    max_chars_per_token: int | None = None
 
     def __init__(
         self,
@@ -260,15 +270,88 @@ class FastTokenizer(Tokenizer):
             if backend.decode([i], skip_special_tokens=True) != backend.decode([i], False):
                 self.all_special_ids.add(i)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.max_chars_per_token = _max_chars_per_token(backend)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch_fast releases the GIL while it works (encode holds it: seconds for a
+        # megabyte), and tracks no offsets, whose hundreds of bytes a token cost seconds to free
+        # for millions of tokens, under the GIL (tokenizers < 0.21: encode_batch)
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return encode([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) < _LONG_DECODE:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        # decode_batch releases the GIL while it works (decode holds it: a second for millions of ids)
+        return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(i) or "" for i in ids]
+
+
+# --- how many characters one token can stand for ----------------------------------------------
+# Every token stands for at most as many characters of the normalized, pre-tokenized text as its
+# vocabulary string has (a byte-level string has one character per byte; "<0x0A>" and "##" are
+# longer than what they cover), as long as nothing on the way drops characters or lets one token
+# swallow a run of them. Normalizers: NFC and NFKC compose, and no code point decomposes into more
+# than 4 (canonically) or 18 (compatibly, U+FDFA) characters, so they shrink a text at most that
+# much; the others listed never shorten it. Anything else (Strip, Precompiled, a regex Replace,
+# whitespace-splitting pre-tokenizers, WordPiece's one [UNK] per unknown word, fused unknowns,
+# added tokens that strip the whitespace around them) proves no bound.
+_SHRINK = {"NFC": 4, "NFKC": 18, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "Append": 1, "ByteLevel": 1}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
+
+
+def _shrink(normalizer: Mapping[str, Any] | None) -> int | None:
+    """How many times shorter ``normalizer`` can make a text, at most (None: unbounded)."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        total = 1
+        for part in normalizer.get("normalizers") or []:
+            factor = _shrink(part)
+            if factor is None:
+                return None
+            total *= factor
+        return total
+    if kind == "Replace":
+        pattern, content = (normalizer.get("pattern") or {}).get("String"), normalizer.get("content")
+        ok = isinstance(pattern, str) and isinstance(content, str) and content
+        return -(-len(pattern) // len(content)) if ok else None
+    return _SHRINK.get(kind)
+
+
+def _pre_tokenizers(spec: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    if spec is None:
+        return []
+    if spec.get("type") == "Sequence":
+        return [p for part in spec.get("pretokenizers") or [] for p in _pre_tokenizers(part)]
+    return [spec]
+
+
+def _max_chars_per_token(backend: tokenizers.Tokenizer) -> int | None:
+    """A proven bound on the characters of input one token of ``backend`` stands for, or None."""
+    spec = json.loads(backend.to_str())
+    shrink, model = _shrink(spec.get("normalizer")), spec.get("model") or {}
+    pre = _pre_tokenizers(spec.get("pre_tokenizer"))
+    if shrink is None or any(p.get("type") not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed"
+                             for p in pre):
+        return None
+    if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+        return None  # such a token takes the whitespace beside it, however long
+    vocab = backend.get_vocab(with_added_tokens=True)
+    # no character may be dropped or fused with others into one unknown token
+    if any(p.get("type") == "ByteLevel" for p in pre):
+        covered = all(c in vocab for c in tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    elif model.get("byte_fallback"):
+        covered = all(f"<0x{b:02X}>" in vocab for b in range(256))
+    else:
+        covered = model.get("type") == "BPE" and model.get("unk_token") in vocab and not model.get("fuse_unk")
+    if not covered or model.get("type") not in ("BPE", "Unigram"):
+        return None
+    return shrink * max((len(token) for token in vocab), default=1)
 
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
@@ -294,6 +377,7 @@ class ByteTokenizer(Tokenizer):
             if token_id is not None:
                 names[token_id] = name
         self.vocab_size = vocab_size
+        self.max_chars_per_token = 1  # one byte per token, and a character is at least one byte
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
         self.all_special_ids = set(names)
         self._special_names = names

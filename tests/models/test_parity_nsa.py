@@ -161,7 +161,7 @@ def _config(**changes) -> dict:
     ({"head_dim": 15}, "head_dim=15 must be even"),
     ({"hidden_act": "powlu"}, "hidden_act 'powlu' is not supported"),
     ({"attnres_block_size": 2}, "attention residuals (attnres_block_size) are not supported"),
-    ({"rope_theta": None}, "field 'rope_theta' must be a positive number, got None"),
+    ({"rope_theta": None}, "field 'rope_theta' must be a positive finite number, got None"),
 ])
 def test_bad_configs_name_the_problem(changes, message):
     with pytest.raises(ArchError) as e:

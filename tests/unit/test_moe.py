@@ -495,6 +495,7 @@ def test_moe_family_rename_skips_mtp_layers():
         num_attention_heads=4,
         num_key_value_heads=2,
         n_routed_experts=4,
+        num_experts_per_tok=2,  # transformers' default of 8 is more than the 4 experts (refused)
         moe_intermediate_size=16,
     )
     model = MoEForCausalLM(read_arch(cfg.to_dict()))

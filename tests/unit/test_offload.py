@@ -500,19 +500,32 @@ def test_block_hashes_are_the_same_in_every_process():
 
 def test_model_identity_names_the_weights(tmp_path):
     """Weights replaced in place, another seed of random weights, another cache dtype or block
-    layout: another identity, so the disk tier's files of the old one are never read."""
+    layout: another identity, so the disk tier's files of the old one are never read (backends,
+    kernel variants and the device: tests/unit/test_offload_disk.py)."""
+    import json
+    from dataclasses import replace
+
+    from attnserve.arch import read_arch
     from attnserve.config import CacheConfig, EngineConfig, ModelConfig
     from attnserve.engine.builder import model_identity
+    from attnserve.engine.plan import plan_engine
+    from attnserve.platforms import get_platform
 
+    cfg = dict(LLAMA[1], model_type="llama")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors").write_bytes(b"weights")
+    arch, cpu = read_arch(cfg), torch.device("cpu")
+
+    def identity(config: EngineConfig, blob: int = 1024) -> str:
+        config = replace(config, cache=replace(config.cache, block_size=16))
+        return model_identity(config, tmp_path, plan_engine(arch, config, get_platform("cpu")), cpu, blob)
+
     config = EngineConfig(ModelConfig(str(tmp_path)))
-    same = model_identity(config, tmp_path, 16, 1024)
-    assert model_identity(config, tmp_path, 16, 1024) == same
-    assert model_identity(config, tmp_path, 16, 2048) != same
-    assert model_identity(EngineConfig(ModelConfig(str(tmp_path)), CacheConfig(kv_cache_dtype="fp8")),
-                           tmp_path, 16, 1024) != same
-    dummy = [model_identity(EngineConfig(ModelConfig(str(tmp_path), load_format="dummy", seed=s)), tmp_path, 16, 1024)
-             for s in (0, 1)]
+    same = identity(config)
+    assert identity(config) == same
+    assert identity(config, 2048) != same
+    assert identity(EngineConfig(ModelConfig(str(tmp_path)), CacheConfig(kv_cache_dtype="fp8"))) != same
+    dummy = [identity(EngineConfig(ModelConfig(str(tmp_path), load_format="dummy", seed=s))) for s in (0, 1)]
     assert dummy[0] != dummy[1]
     (tmp_path / "model.safetensors").write_bytes(b"retrained")
-    assert model_identity(config, tmp_path, 16, 1024) != same
+    assert identity(config) != same

@@ -9,6 +9,7 @@ reads a raw config: the ``ModelArch`` it returns does not carry one.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -33,6 +34,50 @@ def _check_sizes(reader) -> None:
         if not 1 <= value <= _SIZE_BOUNDS[name]:
             raise ArchError(f"{reader.model_type}: field '{name}' must be in [1, {_SIZE_BOUNDS[name]}], "
                             f"got {value}")
+
+
+def _positive(value: float | None) -> bool:
+    return value is not None and 0 < value < math.inf
+
+
+def _check_built(model_type: str, arch: ModelArch) -> None:
+    """Raises ArchError naming the field when what the reader built has a non-finite or
+    non-positive size, epsilon, scale or cap (a NaN epsilon runs, and generates nothing). The
+    reader refuses what a config gives (``Reader.int``, ``Reader.float``); this catches what is
+    derived from it."""
+    def bad(field: str, value: Any, what: str = "a positive finite number") -> ArchError:
+        return ArchError(f"{model_type}: {field} must be {what}, got {value!r}")
+
+    if not _positive(arch.norm_eps):
+        raise bad("the norm epsilon (rms_norm_eps, layer_norm_epsilon, ...)", arch.norm_eps)
+    for name in ("final_softcap", "logit_scale"):
+        value = getattr(arch, name)
+        if value is not None and not (math.isfinite(value) and value != 0):
+            raise bad({"final_softcap": "final_logit_softcapping"}.get(name, name), value, "a finite non-zero number")
+    if arch.moe is not None:
+        m = arch.moe
+        if m.num_experts < 1:
+            raise bad("the number of experts (num_experts, n_routed_experts, ...)", m.num_experts, "positive")
+        if not 1 <= m.top_k <= m.num_experts:
+            raise bad("num_experts_per_tok", m.top_k, f"in [1, num_experts={m.num_experts}]")
+        if m.intermediate_size < 1:
+            raise bad("moe_intermediate_size (an expert's width)", m.intermediate_size, "a positive integer")
+        if not math.isfinite(m.routed_scaling_factor):
+            raise bad("routed_scaling_factor", m.routed_scaling_factor, "finite")
+    for s in arch.layers:
+        where = f"layer {s.index}"
+        if s.kind.is_attention and min(s.num_heads, s.head_size, s.head_size_v) < 1:
+            raise bad(f"{where}'s heads and head sizes (num_attention_heads, head_dim, ...)",
+                      (s.num_heads, s.head_size, s.head_size_v), "positive")
+        if s.kind.is_attention and not _positive(s.scale):
+            raise bad(f"{where}'s softmax scale (from head_dim, query_pre_attn_scalar, ...)", s.scale)
+        if s.softcap is not None and not _positive(s.softcap):
+            raise bad(f"{where}'s attn_logit_softcapping", s.softcap)
+        if s.window is not None and s.window < 1:
+            raise bad(f"{where}'s sliding_window", s.window, "a positive integer")
+        eps = getattr(s.mixer, "norm_eps", None)
+        if s.mixer is not None and eps is not None and not _positive(eps):
+            raise bad(f"{where}'s mixer norm epsilon (rms_norm_eps)", eps)
 
 
 def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
@@ -71,7 +116,7 @@ def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
     if tie is None:
         tie = family.tied_by_default
     quant = cfg.get("quantization_config")
-    return ModelArch(
+    arch = ModelArch(
         model_type=model_type,
         architectures=tuple(config.get("architectures") or cfg.get("architectures") or ()),
         hidden_size=reader.hidden_size,
@@ -93,6 +138,8 @@ def read_arch(config: Mapping[str, Any], *, use_mla: bool = True) -> ModelArch:
         unsupported=built.unsupported,
         quantization_config=MappingProxyType(dict(quant)) if isinstance(quant, Mapping) else quant,
     )
+    _check_built(model_type, arch)
+    return arch
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:

@@ -27,6 +27,26 @@ if TYPE_CHECKING:
     from attnserve.arch.options import FamilyOptions
 
 _REQUIRED = object()
+# fields that are sizes or counts: a config that gives one gives a positive one (an explicit 0
+# builds empty matrices that run and generate nothing); fields where 0 means "none" are not here
+_POSITIVE_INTS = frozenset({
+    "intermediate_size", "moe_intermediate_size", "n_inner", "ffn_hidden_size", "head_dim", "q_lora_rank",
+    "kv_lora_rank", "v_head_dim", "num_experts_per_tok", "num_experts_per_token", "experts_per_token",
+    "index_n_heads", "index_head_dim", "index_topk", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_num_heads", "linear_head_dim",
+    "linear_conv_kernel_dim", "mamba_d_state", "mamba_d_conv", "mamba_expand", "block_size", "rotary_dim",
+    "sliding_window_pattern", "_sliding_window_pattern", "full_attention_interval", "attn_layer_period",
+    "expert_layer_period", "index_topk_freq",
+})
+# floats that must be positive besides the epsilons (any field named *eps or *epsilon)
+_POSITIVE_FLOATS = frozenset({"query_pre_attn_scalar", "rope_local_base_freq", "attn_logit_softcapping",
+                              "final_logit_softcapping", "partial_rotary_factor", "swiglu_limit", "swiglu_alpha",
+                              "rope_theta", "expansion_ratio", "attn_config.clip_qkv", "attn_config.alibi_bias_max",
+                              "logit_scale"})
+
+
+def _must_be_positive(name: str) -> bool:
+    return name in _POSITIVE_FLOATS or name.endswith(("eps", "epsilon"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +80,19 @@ class Reader:
             raise ArchError(f"{self.model_type}: missing required field '{names[0]}'")
         return default
 
+    def _given(self, names: tuple[str, ...]) -> str:
+        """The name of the first of ``names`` the config gives (the first name if none)."""
+        return next((n for n in names if self.cfg.get(n) is not None), names[0])
+
     def int(self, *names: str, default: Any = _REQUIRED) -> int:
         value = self.get(*names, default=default)
         if value is None:
             return value
+        name = self._given(names)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ArchError(f"{self.model_type}: field '{names[0]}' must be a non-negative integer, "
-                            f"got {value!r}")
+            raise ArchError(f"{self.model_type}: field '{name}' must be a non-negative integer, got {value!r}")
+        if value == 0 and name in _POSITIVE_INTS and self.cfg.get(name) is not None:
+            raise ArchError(f"{self.model_type}: field '{name}' must be a positive integer, got 0")
         return value
 
     def flag(self, name: str, default: bool) -> bool:
@@ -74,11 +100,18 @@ class Reader:
         return bool(self.cfg.get(name, default))
 
     def float(self, *names: str, default: Any = _REQUIRED) -> float | None:
+        """A finite number; positive where the field is an epsilon, a scale or a soft-cap."""
         value = self.get(*names, default=default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ArchError(f"{self.model_type}: field '{names[0]}' must be a number, got {value!r}")
+        return self.number(self._given(names), value)
+
+    def number(self, name: str, value: Any) -> float:
+        """``value`` of field ``name`` as a finite float (positive where ``name`` must be)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ArchError(f"{self.model_type}: field '{name}' must be a finite number, got {value!r}")
+        if value <= 0 and _must_be_positive(name):
+            raise ArchError(f"{self.model_type}: field '{name}' must be positive, got {value!r}")
         return float(value)
 
     # --- common fields -------------------------------------------------------------------
@@ -155,22 +188,31 @@ class Reader:
             raise ArchError(f"{self.model_type}: unsupported rope type '{rope_type}' in rope_scaling")
         if theta is None:
             theta = p.get("rope_theta", self.cfg.get("rope_theta", 10000.0))
+        theta = self.number("rope_theta", theta)
         if rotary_dim is None:
             prf = p.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor", 1.0))
-            rotary_dim = int(head_dim * float(prf))
+            rotary_dim = int(head_dim * self.number("partial_rotary_factor", prf))
         omax = self.cfg.get("original_max_position_embeddings") or p.get("original_max_position_embeddings")
         if omax is None and rope_type in ("llama3", "yarn", "longrope"):
             omax = self.max_position_embeddings
         factor = p.get("factor", 1.0)
         if rope_type != "default" and rope_type != "longrope" and factor is None:
             raise ArchError(f"{self.model_type}: rope type '{rope_type}' needs a 'factor'")
+        if factor is not None and self.number("rope_scaling.factor", factor) <= 0:
+            raise ArchError(f"{self.model_type}: field 'rope_scaling.factor' must be positive, got {factor!r}")
+        for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                    "attention_factor"):
+            if p.get(key) is not None:
+                self.number(f"rope_scaling.{key}", p[key])
 
         def tup(key: str) -> tuple[float, ...] | None:
             v = p.get(key)
-            return tuple(float(x) for x in v) if v is not None else None
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise ArchError(f"{self.model_type}: field 'rope_scaling.{key}' must be a list of numbers")
+            return tuple(self.number(f"rope_scaling.{key}", x) for x in v) if v is not None else None
 
         return RopeConfig(
-            rotary_dim=rotary_dim, theta=float(theta), rope_type=rope_type, interleaved=interleaved,
+            rotary_dim=rotary_dim, theta=theta, rope_type=rope_type, interleaved=interleaved,
             factor=float(factor if factor is not None else 1.0),
             max_position_embeddings=self.max_position_embeddings,
             original_max_position_embeddings=int(omax) if omax is not None else None,

@@ -60,7 +60,11 @@ def deepnorm_factors(config: Mapping[str, Any], lightning: bool) -> tuple[float,
 
     def factor(hf_name: str, orig_name: str) -> float:
         value = config.get(hf_name, config.get(orig_name))
-        return 1.0 if value is None else float(value)
+        if value is None:
+            return 1.0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ArchError(f"minimax: field '{hf_name}' must be a finite number, got {value!r}")
+        return float(value)
 
     return (
         factor(f"{hf}_alpha_factor", f"layernorm_{orig}_alpha"),
@@ -291,8 +295,8 @@ def nsa(r: Reader) -> Built:
     if r.cfg.get("attnres_block_size") is not None:
         raise ArchError("nsa: attention residuals (attnres_block_size) are not supported")
     theta = r.cfg.get("rope_theta", _NSA_DEFAULTS["rope_theta"])
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ArchError(f"nsa: field 'rope_theta' must be a positive number, got {theta!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise ArchError(f"nsa: field 'rope_theta' must be a positive finite number, got {theta!r}")
     if hd % 2:
         raise ArchError(f"nsa: head_dim={hd} must be even (RoPE rotates the whole head)")
     dims = NSADims(block_size=block_size, block_counts=counts, window=window or None)

@@ -151,7 +151,8 @@ def _gemma_facts(r: Reader) -> dict[str, Any]:
     opts = GemmaOptions(attention_bias=r.flag("attention_bias", False), sandwich_norms=mt != "gemma",
                         qk_norm=mt == "gemma3_text")
     return dict(norm_eps=r.float("rms_norm_eps", default=1e-6), hidden_act=act, intermediate_size=r.int("intermediate_size", default=None),
-                final_softcap=None if cap is None else float(cap), options=opts, unsupported=unsupported)
+                final_softcap=None if cap is None else r.number("final_logit_softcapping", cap), options=opts,
+                unsupported=unsupported)
 
 
 def gemma(r: Reader) -> Built:
@@ -255,11 +256,14 @@ def _mpt_facts(r: Reader, attn: Mapping[str, Any]) -> dict[str, Any]:
     scale = r.cfg.get("logit_scale")
     if scale == "inv_sqrt_d_model":
         scale = 1.0 / math.sqrt(r.hidden_size)
-    opts = MPTOptions(bias=not r.cfg.get("no_bias", True), clip_qkv=attn.get("clip_qkv"),
-                      alibi_bias_max=float(attn.get("alibi_bias_max", 8)))
+    clip = attn.get("clip_qkv")
+    opts = MPTOptions(bias=not r.cfg.get("no_bias", True),
+                      clip_qkv=None if clip is None else r.number("attn_config.clip_qkv", clip),
+                      alibi_bias_max=r.number("attn_config.alibi_bias_max", attn.get("alibi_bias_max", 8)))
     return dict(norm_eps=r.float("layer_norm_epsilon", default=1e-5), hidden_act="gelu",  # exact GELU
-                intermediate_size=int(r.get("expansion_ratio", default=4) * r.hidden_size),
-                logit_scale=float(scale) if scale is not None else None, options=opts, unsupported=unsupported)
+                intermediate_size=int(r.number("expansion_ratio", r.get("expansion_ratio", default=4)) * r.hidden_size),
+                logit_scale=r.number("logit_scale", scale) if scale is not None else None, options=opts,
+                unsupported=unsupported)
 
 
 def mpt(r: Reader) -> Built:

@@ -342,7 +342,7 @@ def _cpu_ext_takes(p: KernelProblem) -> list[str]:
         out.append(f"head sizes must be multiples of 8, got {p.head_size} and {p.head_size_v}")
     machine = host.machine().lower()
     if machine not in ("x86_64", "amd64"):
-        out.append(f"an x86-64 CPU with AVX2 only, this one is {machine}")
+        out.append(f"an x86-64 CPU (AVX2 or AVX-512) only, this one is {machine}")
     return out
 
 
@@ -495,7 +495,8 @@ VARIANTS: tuple[KernelVariant, ...] = (
        "split-KV decode of unified_attention and its merge launch (ops/attention/paged_triton.py)",
        launch="attnserve.ops.attention.paged_triton:unified_attention"),
     _v("attention.decode", "cpu_ext", "cpu_ext", _SDPA, _CPU,
-       "the C++ AVX2 paged decode extension, reading the pages in place (ops/cpu/paged_decode.py)",
+       "the C++ paged decode extension, reading the pages in place: AVX-512 with bf16 dot products, AVX-512 "
+       "or AVX2, the best the CPU runs (ops/cpu/paged_decode.py)",
        takes=_cpu_ext_takes, launch="attnserve.ops.cpu.paged_decode:paged_decode",
        prepare="attnserve.ops.cpu.paged_decode:prepare"),
     _v("attention.decode", "torch", "torch", _SDPA, _ANY,
@@ -553,6 +554,11 @@ VARIANTS: tuple[KernelVariant, ...] = (
     _v("indexer.topk_decode", "triton_radix", "triton", _TRITON_SPARSE, _GPU,
        "radix select reading each row only up to its length (ops/indexer/topk_triton.py)",
        launch="attnserve.ops.indexer.topk_triton:topk_rows"),
+    _v("indexer.topk_decode", "triton_twopass", "triton", _TRITON_SPARSE, {"cuda": ((8, 0), None)},
+       "two reads of each row up to its length: a histogram of group maxima bounds the cut, the keys "
+       "above it are collected, a program a row resolves them; topk_rows' result (ops/indexer/topk_twopass.py). "
+       "Not yet timed on a GPU: after triton_radix until it is (disabled_kernels=('triton_radix',) picks it)",
+       launch="attnserve.ops.indexer.topk_twopass:topk_rows_twopass"),
     _v("indexer.topk_decode", "torch", "torch", _TORCH_SPARSE, _ANY, "torch.topk over the visible keys"),
     _v("indexer.topk_prefill", "torch", "torch", _TRITON_SPARSE | _TORCH_SPARSE, _ANY,
        "torch.topk over full-width rows (faster than the radix select there: H200, 512 rows of 32K, "

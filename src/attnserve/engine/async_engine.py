@@ -328,6 +328,7 @@ class AsyncLLMEngine:
             offload_bytes_stored=offload.bytes_stored if offload else 0,
             offload_bytes_loaded=offload.bytes_loaded if offload else 0,
             offload_seconds=(offload.store_seconds + offload.load_seconds) if offload else 0.0,
+            offload_failed_stores=offload.failed_stores if offload else 0,
             num_preemptions=sched.stats.num_preemptions,
             num_steps=sched.stats.steps,
             num_aborted=self._num_aborted,

@@ -10,9 +10,11 @@ file groups nothing and selects no backend: it allocates what the plan says.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from platform import machine as host_machine
 
 import torch
 
@@ -37,10 +39,12 @@ from attnserve.models.registry import get_model_class
 from attnserve.models.weights import check_finite_weights, dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
 from attnserve.runner.cache_allocation import (
+    GIB,
     allocate_kv_cache,
     allocate_state_cache,
     determine_num_blocks,
     device_budget_bytes,
+    host_available_bytes,
 )
 from attnserve.runner.host_latents import (
     HostLatentPlan,
@@ -58,7 +62,7 @@ from attnserve.runner.parallel import (
 )
 from attnserve.runner.worker import serve_steps, step_group
 
-__all__ = ["EngineParts", "build_engine_parts", "model_identity", "resolve_model_dir"]
+__all__ = ["EngineParts", "build_engine_parts", "check_memory_budgets", "model_identity", "resolve_model_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,25 +70,42 @@ _PROFILED_DEVICES = ("cuda",)  # the profiling pass runs where memory is sized b
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def model_identity(config: EngineConfig, model_dir: Path, block_size: int, blob: int) -> str:
-    """What must agree for two engines to share disk tier blocks: the model (its resolved
-    directory, where a hub id's snapshot path names its commit, and the name, size and time of
-    each file in it, so weights replaced in place are another model; the seed of random
-    weights), the dtypes that shape the cache, the block size and the blob layout. Engines that
-    differ in any of these name their files differently and never read each other's."""
+def model_identity(config: EngineConfig, model_dir: Path, plan: EnginePlan, device: torch.device, blob: int) -> str:
+    """What must agree for two engines to share disk tier blocks: everything that changes a
+    block's bytes. The model (its resolved directory, where a hub id's snapshot path names its
+    commit, and the name, size and time of each file in it, so weights replaced in place are
+    another model; the seed of random weights); the dtypes, resolved; the attention backend of
+    every group and the kernel variant of every operation (the model's own included: a layer's
+    K/V comes out of every kernel before it); the device kind (CUDA: its name and compute
+    capability; CPU: the machine) and CUDA graphs; the block size, the blob layout, tensor
+    parallelism, StreamingLLM and host-resident latents; and torch's version, whose kernels may
+    round differently. Engines that differ in any of these name their files differently and
+    never read each other's."""
     files = []
     for f in sorted(model_dir.iterdir()):
         with contextlib.suppress(OSError):
             st = f.stat()
             files.append((f.name, st.st_size, st.st_mtime_ns))
     m, c = config.model, config.cache
-    return repr((str(model_dir.resolve()), tuple(files), m.load_format, m.seed if m.load_format == "dummy" else None,
-                 m.dtype, c.kv_cache_dtype, c.indexer_cache_dtype, c.mamba_ssm_cache_dtype,
-                 (c.streaming_sinks, c.streaming_window), config.parallel.tensor_parallel_size, block_size, blob))
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        hardware = (torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
+                    getattr(torch.version, "hip", None))
+    else:
+        hardware = (host_machine(),)
+    kernels = tuple((g.backend.name, tuple(sorted(g.kernel_names().items()))) for g in plan.groups)
+    return repr((("model", str(model_dir.resolve()), tuple(files), m.load_format,
+                  m.seed if m.load_format == "dummy" else None),
+                 ("dtypes", plan.dtype, plan.kv_cache_dtype, c.indexer_cache_dtype, c.mamba_ssm_cache_dtype),
+                 ("kernels", kernels, tuple(sorted(plan.model_kernel_names().items()))),
+                 ("device", plan.platform.name, device.type, hardware, m.enforce_eager),
+                 ("layout", plan.block_size, blob, plan.tensor_parallel_size, (c.streaming_sinks, c.streaming_window),
+                  config.offload.kv_offload_sparse_latents),
+                 ("torch", torch.__version__)))
 
 
-def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dict, state_caches: list,
-                   device: torch.device, model_dir: Path):
+def _build_offload(config: EngineConfig, plan: EnginePlan, groups: list[KVCacheGroup], caches: dict,
+                   state_caches: list, device: torch.device, model_dir: Path):
     """The offload tier and manager when ``kv_offloading_size`` is set, else (None, None)."""
     off = config.offload
     if off.kv_offloading_size is None:
@@ -101,7 +122,7 @@ def _build_offload(config: EngineConfig, groups: list[KVCacheGroup], caches: dic
         if not off.kv_offloading_dir:
             raise ValueError("kv_offloading_backend 'disk' needs kv_offloading_dir, the directory to keep blocks in")
         tier = DiskTier(capacity, blob, off.kv_offloading_dir, pin_memory=device.type == "cuda",
-                        namespace=model_identity(config, model_dir, groups[0].block_size, blob))
+                        namespace=model_identity(config, model_dir, plan, device, blob))
     else:
         tier = HostTier(capacity, blob, pin_memory=device.type == "cuda")
     manager = OffloadManager(tier, len(groups), groups[0].block_size, has_state=bool(state_caches),
@@ -216,9 +237,14 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     from attnserve.tokenizer import load_tokenizer
 
     device, platform = _device_and_platform(config)
+    if device.type == "cuda":  # an engine deleted before this one: its cycles collected, its cached
+        gc.collect()  # blocks handed back, so the memory this engine measures as free is all there is
+        torch.cuda.empty_cache()
     config = with_block_size(config, arch, platform)  # every later reader sees the resolved size
     # each rank caches its own heads (tensor parallelism); the pool has as many blocks on every rank
     plan = prepare_kernels(plan_engine(arch, config, platform), config)  # the CPU extension builds here
+    logger.info("dtype %s: %s", plan.dtype, plan.dtype_reason)
+    check_memory_budgets(config, plan, device)  # before the weights load
     max_len = plan.max_model_len
     # every rank resolves the limits the same way (the same defaults; the caps agree by min_over_ranks)
     limits = resolve_batch_limits(config.scheduler, device.type, _device_memory(device), config.usage_context,
@@ -227,7 +253,10 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
     if arch.max_position_embeddings and config.model.max_model_len and max_len > arch.derived_max_model_len:
         logger.warning("max_model_len %d exceeds the %d the model is configured for (max_position_embeddings, "
                        "RoPE scaling applied)", max_len, arch.derived_max_model_len)
-    tokenizer_dir = resolve_model_dir(config.model.tokenizer, weights=False) if config.model.tokenizer else model_dir
+    try:
+        tokenizer_dir = resolve_model_dir(config.model.tokenizer, weights=False) if config.model.tokenizer else model_dir
+    except FileNotFoundError as e:  # the message says "model": name the option
+        raise FileNotFoundError(f"tokenizer: {e}") from None
     tokenizer = load_tokenizer(tokenizer_dir)
     groups = list(plan.layout.groups)  # the paged groups; state layers get slots instead
     backend_names = plan.backend_names  # raises when a group has no backend, or needs several
@@ -257,7 +286,7 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                                host_entries=host_latents.entries if host_latents else frozenset())
     state_caches = allocate_state_cache(model, state_groups, state_pool.num_slots, device, backends) \
         if state_pool is not None else []
-    offload, offload_io = _build_offload(config, groups, caches, state_caches, device, model_dir)
+    offload, offload_io = _build_offload(config, plan, groups, caches, state_caches, device, model_dir)
     graphs = not config.model.enforce_eager and parallel is None
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     if graphs and device.type == "cuda" and not all(m.graph_safe(device) for m in experts):
@@ -276,6 +305,35 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                        dtype=plan.dtype, platform=platform, groups=groups, backend_names=backend_names,
                        num_blocks=num_blocks, kv_manager=kv, runner=runner, plan=plan, config=config,
                        batch_limits=limits, workers=workers)
+
+
+def check_memory_budgets(config: EngineConfig, plan: EnginePlan, device: torch.device) -> None:
+    """Refuse, by the option's name, a KV cache or host offload budget larger than the memory
+    that would hold it (the device's total; on the CPU, and for the host tier, the host memory
+    available now), instead of failing in an allocation later."""
+    cache, off = config.cache, config.offload
+    if device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).total_memory
+        where = f"the {limit / GIB:.1f} GiB of {device}"
+    else:
+        limit = host_available_bytes()
+        where = f"the {limit / GIB:.1f} GiB of host memory available"
+    kv = None
+    if cache.kv_cache_memory is not None:
+        kv = int(cache.kv_cache_memory * GIB)
+        if kv > limit:
+            raise ValueError(f"kv_cache_memory is {cache.kv_cache_memory:g} GiB, more than {where}")
+    if cache.num_gpu_blocks_override is not None:
+        kv = cache.num_gpu_blocks_override * plan.bytes_per_block
+        if kv > limit:
+            raise ValueError(f"num_gpu_blocks_override={cache.num_gpu_blocks_override} blocks of "
+                             f"{plan.bytes_per_block} bytes are {kv / GIB:.3g} GiB, more than {where}")
+    if off.kv_offloading_size is not None and off.kv_offloading_backend == "host":
+        host = host_available_bytes() - ((kv or 0) if device.type == "cpu" else 0)
+        if off.kv_offloading_size * GIB > host:
+            raise ValueError(f"kv_offloading_size is {off.kv_offloading_size:g} GiB of host memory, but only "
+                             f"{max(host, 0) / GIB:.1f} GiB is available"
+                             f"{' beside the KV cache' if kv and device.type == 'cpu' else ''}")
 
 
 def _device_memory(device: torch.device) -> int | None:
@@ -308,7 +366,7 @@ def _size_cache(plan: EnginePlan, config: EngineConfig, limits: BatchLimits, mod
         # the largest step once on dummy tokens: its activation peak is kept out of the KV
         # budget, and the kernels it launches are compiled now, not in a user's first step
         activations = profile_step(model, plan.arch, plan.layout, list(plan.state_groups), backends, config,
-                                   device, max_len)
+                                   device, max_len, graph_pool=not config.model.enforce_eager)
     num_blocks = determine_num_blocks(plan.layout, config.cache, device, needed, state_bytes + staging_bytes,
                                       per_block, activations)
     if parallel is not None:

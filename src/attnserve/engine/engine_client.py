@@ -48,6 +48,7 @@ class EngineStats:
     offload_bytes_stored: int = 0  # bytes copied to the offload tier
     offload_bytes_loaded: int = 0  # bytes copied back from it
     offload_seconds: float = 0.0  # time spent in those copies
+    offload_failed_stores: int = 0  # blocks the offload tier could not keep (a full or unwritable disk)
     num_preemptions: int = 0
     num_steps: int = 0
     num_aborted: int = 0  # requests aborted while the engine still held them

@@ -298,7 +298,10 @@ def run_engine_process(config: EngineConfig, log_stats_interval: float | None, l
     """The engine process's main: build, report ready (or why not), serve until stopped."""
     from attnserve.engine.engine import LLMEngine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
+    # Ctrl-C and a SIGTERM sent to the whole process group (systemd's default) reach the frontend,
+    # which drains its requests and then stops us (a stuck engine still gets terminate, then kill)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _configure_logging(log_setup)
     try:
         engine = LLMEngine(config)

@@ -23,7 +23,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnserve.entrypoints.engine_args import (
+    add_engine_args,
+    existing_file_arg,
+    float_arg,
+    int_arg,
+    output_file_arg,
+)
+
 __all__ = ["add_bench_subparsers", "random_lengths", "random_prompts", "run_bench"]
+
+_MAX_TOKENS = 1 << 26  # random prompt tokens one run builds in memory (a list of Python ints)
 
 
 # --- shared -------------------------------------------------------------------------------------
@@ -345,12 +355,12 @@ def bench_serve(args: argparse.Namespace) -> int:
 
 # --- command line -------------------------------------------------------------------------------
 def _lengths_args(p: argparse.ArgumentParser, prompts: int) -> None:
-    p.add_argument("--num-prompts", type=int, default=prompts, help="requests to send")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=128, help="tokens to generate per request")
+    p.add_argument("--num-prompts", type=int_arg(1, _MAX_TOKENS), default=prompts, help="requests to send")
+    p.add_argument("--input-len", type=int_arg(1, _MAX_TOKENS), default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int_arg(1, _MAX_TOKENS), default=128, help="tokens to generate per request")
     p.add_argument(
         "--range-ratio",
-        type=float,
+        type=float_arg(0, 1, hi_open=True),
         default=0.0,
         help="lengths uniform in [len * (1 - r), len * (1 + r)] (0: fixed)",
     )
@@ -358,15 +368,13 @@ def _lengths_args(p: argparse.ArgumentParser, prompts: int) -> None:
 
 def add_bench_subparsers(bench: argparse.ArgumentParser) -> None:
     """The ``latency``, ``throughput`` and ``serve`` subcommands of ``attnserve bench``."""
-    from attnserve.entrypoints.engine_args import add_engine_args
-
     sub = bench.add_subparsers(dest="bench_command", required=True)
     lat = sub.add_parser("latency", help="latency of one batch, repeated")
-    lat.add_argument("--batch-size", type=int, default=8, help="prompts in the batch")
-    lat.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
-    lat.add_argument("--output-len", type=int, default=128, help="tokens to generate per request")
-    lat.add_argument("--num-iters-warmup", type=int, default=3, help="untimed runs first")
-    lat.add_argument("--num-iters", type=int, default=10, help="timed runs")
+    lat.add_argument("--batch-size", type=int_arg(1, _MAX_TOKENS), default=8, help="prompts in the batch")
+    lat.add_argument("--input-len", type=int_arg(1, _MAX_TOKENS), default=32, help="prompt tokens per request")
+    lat.add_argument("--output-len", type=int_arg(1, _MAX_TOKENS), default=128, help="tokens to generate per request")
+    lat.add_argument("--num-iters-warmup", type=int_arg(0, 1 << 20), default=3, help="untimed runs first")
+    lat.add_argument("--num-iters", type=int_arg(1, 1 << 20), default=10, help="timed runs")
     thr = sub.add_parser("throughput", help="offline throughput of random-token requests")
     _lengths_args(thr, 1000)
     for p, func in ((lat, bench_latency), (thr, bench_throughput)):
@@ -377,33 +385,50 @@ def add_bench_subparsers(bench: argparse.ArgumentParser) -> None:
     _lengths_args(srv, 200)
     srv.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
     srv.add_argument("--host", default="127.0.0.1", help="the server's address")
-    srv.add_argument("--port", type=int, default=8000, help="the server's port")
+    srv.add_argument("--port", type=int_arg(1, 65535), default=8000, help="the server's port")
     srv.add_argument("--model", default=None, help="default: the server's first model")
     srv.add_argument("--api-key", default=None, help="the server's API key (default: none)")
     srv.add_argument(
         "--request-rate",
-        type=float,
+        type=float_arg(0, lo_open=True, allow_inf=True),
         default=math.inf,
         help="requests per second, Poisson arrivals (default inf: all at once)",
     )
-    srv.add_argument("--max-concurrency", type=int, default=None,
+    srv.add_argument("--max-concurrency", type=int_arg(1, 1 << 20), default=None,
                      help="the most requests in flight at once (default: no limit)")
     srv.add_argument(
-        "--vocab-size", type=int, default=1000, help="prompt token ids are drawn from [0, N)"
+        "--vocab-size", type=int_arg(1, 1 << 31), default=1000, help="prompt token ids are drawn from [0, N)"
     )
-    srv.add_argument("--seed", type=int, default=0, help="the seed of prompts, lengths and arrivals")
+    srv.add_argument("--seed", type=int_arg(0), default=0, help="the seed of prompts, lengths and arrivals")
     for which in ("input", "output"):
-        srv.add_argument(f"--{which}-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+        srv.add_argument(f"--{which}-range", type=int_arg(1, _MAX_TOKENS), nargs=2, default=None, metavar=("LO", "HI"),
                          help=f"{which} lengths uniform in [LO, HI] (instead of --{which}-len, --range-ratio)")
-    srv.add_argument("--requests-file", default=None, metavar="FILE",
+    srv.add_argument("--requests-file", default=None, metavar="FILE", type=existing_file_arg,
                      help="a JSON list of [prompt token ids, max tokens] pairs to send (instead of random ones)")
-    srv.add_argument("--num-clients", type=int, default=1,
+    srv.add_argument("--num-clients", type=int_arg(1, 1 << 10), default=1,
                      help="client processes, each sending its share of the requests at its share of the rate")
     srv.set_defaults(bench_func=bench_serve)
     for p in (lat, thr, srv):
-        p.add_argument("--output-json", default=None, metavar="FILE",
+        p.add_argument("--output-json", default=None, metavar="FILE", type=output_file_arg,
                        help="also write the results to FILE as JSON (default: none)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    _check_sizes(args)
     return args.bench_func(args)
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """The random prompts are built in memory: refuse more tokens than ``_MAX_TOKENS`` in all,
+    naming the flags, before anything loads."""
+    if args.bench_func is bench_latency:
+        total, flags = args.batch_size * args.input_len, "--batch-size x --input-len"
+    elif args.bench_func is bench_serve and args.requests_file:
+        return
+    else:
+        most = args.input_range[1] if getattr(args, "input_range", None) else \
+            math.ceil(args.input_len * (1 + args.range_ratio))
+        total, flags = args.num_prompts * most, "--num-prompts x --input-len"
+    if total > _MAX_TOKENS:
+        raise ValueError(f"{flags} ask for up to {total} prompt tokens; this benchmark builds at most "
+                         f"{_MAX_TOKENS} in memory")

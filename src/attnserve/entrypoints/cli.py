@@ -13,7 +13,17 @@ import logging
 import sys
 
 from attnserve import __version__, env
-from attnserve.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs
+from attnserve.entrypoints.engine_args import (
+    HelpFormatter,
+    add_engine_args,
+    engine_kwargs,
+    existing_file_arg,
+    float_arg,
+    gib_size_arg,
+    int_arg,
+    kv_cache_dtype_arg,
+    output_file_arg,
+)
 from attnserve.platforms import PLATFORM_NAMES
 
 __all__ = ["build_parser", "configure_logging", "main"]
@@ -53,51 +63,67 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="model directory, config.json, or a shipped config name "
                                  "(e.g. deepseek-ai/DeepSeek-V3)")
     p.add_argument("--platform", choices=PLATFORM_NAMES, default=None, help="default: this machine")
-    p.add_argument("--compute-capability", default=None, help="e.g. 9.0 (cuda/rocm without a device)")
-    p.add_argument("--kv-cache-dtype", default="auto",
+    p.add_argument("--compute-capability", default=None, type=_capability_arg,
+                   help="e.g. 9.0 (cuda/rocm without a device)")
+    p.add_argument("--kv-cache-dtype", default="auto", type=kv_cache_dtype_arg,
                    help="the KV cache's element type: auto (the model's dtype), fp8, bfloat16, float16 "
                         "or float32")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the model's dtype (auto: the config's)")
+                   help="the model's dtype (auto: the checkpoint's on a GPU; on a CPU bfloat16 where it "
+                        "has bf16 dot products, else float32)")
     p.add_argument("--attention-backend", default=None,
                    help="check this backend for every layer group (exits non-zero with every reason "
                         "it does not fit); default: the platform's first choice per group")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=int_arg(1, 1 << 16), default=None,
                    help="tokens per KV cache block (default: 64 for MLA models on CUDA, else 16)")
     p.add_argument("--disabled-kernels", default="", metavar="NAME[,NAME...]",
                    help="kernel variants the engine would not run (gluon, cpu_ext, mla.absorbed/gluon, "
                         "...): the report shows what runs instead")
-    p.add_argument("--memory", type=float, default=None, metavar="GiB",
+    p.add_argument("--memory", type=float_arg(0, lo_open=True), default=None, metavar="GiB",
                    help="a KV cache budget: how many tokens and sequences it holds (default: not asked)")
     p.add_argument("--device-memory", "--gpu-memory", dest="device_memory", default=None, metavar="SIZE",
+                   type=gib_size_arg,
                    help="a whole device's memory (80, 80GiB, 80GB): tokens that fit once the weights "
                         "(computed from the config, quantisation included) are loaded")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=float_arg(0, 1, lo_open=True), default=0.9,
                    help="the share of --device-memory the engine may use (default: 0.9)")
     p.add_argument("--revision", default=None, help="a Hugging Face model id's branch, tag or commit")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=int_arg(1, 1 << 31), default=None,
                    help="the sequence length one sequence's bytes are given for (default: the "
                         "model config's context length, RoPE scaling applied)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=int_arg(1, 1 << 10), default=1,
                    help="report one rank's KV bytes, state and sequences (--memory is per rank)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
-    p.add_argument("--plot", default=None, metavar="FILE.png",
+    p.add_argument("--plot", default=None, metavar="FILE.png", type=output_file_arg,
                    help="also draw KV memory per sequence against its length, as configured and as MHA / "
                         "GQA / MQA / MLA, into this PNG (the plot extra: matplotlib)")
     p.set_defaults(func=_run_inspect)
 
 
+def _capability_arg(text: str) -> tuple[int, int]:
+    """``--compute-capability``: MAJOR.MINOR, e.g. 9.0."""
+    major, _, minor = text.strip().partition(".")
+    if not (major.isdigit() and (minor.isdigit() or not minor)) or not 1 <= int(major) <= 99 or int(minor or 0) > 99:
+        raise argparse.ArgumentTypeError(f"must be MAJOR.MINOR, such as 9.0, got {text!r}")
+    return int(major), int(minor or 0)
+
+
+def _tool_call_parser_arg(text: str) -> str:
+    from attnserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    if text not in TOOL_PARSERS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(sorted(TOOL_PARSERS))}, got {text!r}")
+    return text
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     from attnserve import env
-    from attnserve.entrypoints.inspect import build_report, dumps, parse_gib, plot_kv_memory
+    from attnserve.entrypoints.inspect import build_report, dumps, plot_kv_memory
     from attnserve.platforms import current_platform, get_platform
 
-    cc = None
-    if args.compute_capability:
-        major, _, minor = args.compute_capability.partition(".")
-        cc = (int(major), int(minor or 0))
+    cc = args.compute_capability  # (major, minor), parsed by _capability_arg
     platform = get_platform(args.platform, cc) if args.platform else current_platform()
-    device_gib = parse_gib(args.device_memory) if args.device_memory is not None else None
+    device_gib = args.device_memory  # GiB, parsed by gib_size_arg
     # a backend that does not fit (BackendSelectionError) is a ValueError: main prints it, exit 2
     report = build_report(args.model, platform, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           attention_backend=args.attention_backend, memory_gib=args.memory,
@@ -117,12 +143,13 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts (offline batch)")
     p.add_argument("--model", default=None, help="model directory (default: the shipped demo model)")
     p.add_argument("--prompt", action="append", default=None, help="a prompt; repeat for a batch")
-    p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of "
-                                                             "tokens of this total probability")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--prompts-file", default=None, type=existing_file_arg, help="a file with one prompt per line")
+    p.add_argument("--max-tokens", type=int_arg(1), default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float_arg(0), default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float_arg(0, 1, lo_open=True), default=1.0,
+                   help="nucleus sampling: the smallest set of tokens of this total probability")
+    p.add_argument("--top-k", type=int_arg(-1), default=0,
+                   help="sample among the k likeliest tokens (0 or -1: all)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
@@ -165,28 +192,35 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="model directory (default: the shipped demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    p.add_argument("--port", type=int_arg(0, 65535), default=8000, help="the port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /ping (default: "
                         "$ATTNSERVE_API_KEY, which other users of the machine cannot read in the "
                         "process list)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients ask for (default: MODEL)")
-    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+    p.add_argument("--max-request-body-bytes", type=int_arg(1), default=16 << 20,
                    help="larger request bodies get a 413 (default: 16 MiB)")
-    p.add_argument("--max-n", type=int, default=128,
+    p.add_argument("--max-n", type=int_arg(1), default=128,
                    help="the most completions one request may ask per prompt (default: 128)")
-    p.add_argument("--max-prompts", type=int, default=1024,
+    p.add_argument("--max-prompts", type=int_arg(1), default=1024,
                    help="the most prompts one completion request may carry (default: 1024)")
+    p.add_argument("--max-sequences-per-request", type=int_arg(1), default=4096,
+                   help="the most sequences one request may ask for: prompts x n (or x best_of) "
+                        "(default: 4096)")
+    p.add_argument("--max-stop-strings", type=int_arg(1), default=256,
+                   help="the most stop strings one request may carry (default: 256)")
+    p.add_argument("--max-stop-chars", type=int_arg(1), default=16 << 10,
+                   help="the most characters a request's stop strings may have in all (default: 16 Ki)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render chat templates sent in requests (chat_template, or "
                         "chat_template_kwargs.chat_template), bounded by the three flags below")
-    p.add_argument("--max-chat-template-bytes", type=int, default=64 << 10,
+    p.add_argument("--max-chat-template-bytes", type=int_arg(1), default=64 << 10,
                    help="a larger template sent in a request gets a 400 (default: 64 KiB)")
-    p.add_argument("--chat-template-timeout", type=float, default=2.0, metavar="SECONDS",
+    p.add_argument("--chat-template-timeout", type=float_arg(0, lo_open=True), default=2.0, metavar="SECONDS",
                    help="rendering a template sent in a request stops with a 400 after this long "
                         "(default: 2)")
-    p.add_argument("--max-chat-template-output-chars", type=int, default=16 << 20,
+    p.add_argument("--max-chat-template-output-chars", type=int_arg(1), default=16 << 20,
                    help="a template sent in a request may build no value and no output longer than "
                         "this, in characters (default: 16 Mi)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
@@ -196,9 +230,26 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help='serve tool_choice "auto" (the default when a request has tools): the model '
                         "writes its calls in its own format and --tool-call-parser finds them (default: "
                         '"auto" is refused; "required" and named functions are served either way)')
-    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME", type=_tool_call_parser_arg,
                    help="the model's tool-call format, for --enable-auto-tool-choice: hermes "
                         "(<tool_call>{...}</tool_call>: Hermes 2 Pro/3, Qwen2.5, Qwen3) (default: none)")
+    p.add_argument("--max-connections", type=int_arg(1), default=4096,
+                   help="the most open connections; past it a new one replaces the oldest idle one (no "
+                        "request in flight), or is closed when all are busy; lowered to what the "
+                        "open-file limit (RLIMIT_NOFILE) leaves room for (default: 4096)")
+    p.add_argument("--header-timeout", type=float_arg(0, lo_open=True), default=10.0, metavar="SECONDS",
+                   help="a connection that has not sent a whole request head this long after it opened "
+                        "(or after the first byte of its next request) is closed (default: 10)")
+    p.add_argument("--body-timeout", type=float_arg(0, lo_open=True), default=60.0, metavar="SECONDS",
+                   help="a request body not received whole this long after its head gets a 408 "
+                        "(default: 60)")
+    p.add_argument("--timeout-keep-alive", type=float_arg(0, lo_open=True), default=5.0, metavar="SECONDS",
+                   help="an idle connection is closed after waiting this long for its next request "
+                        "(default: 5)")
+    p.add_argument("--shutdown-timeout", type=float_arg(0), default=5.0, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT, running requests get this long to finish; then streams "
+                        "end with an error event and [DONE], other requests with a 503 (default: 5; "
+                        "0: at once)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="the HTTP server's log level (attnserve's own: $ATTNSERVE_LOG_LEVEL)")
@@ -214,6 +265,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from attnserve.entrypoints.openai.api_server import run_server
+    from attnserve.entrypoints.openai.connections import ConnectionLimits
     from attnserve.entrypoints.openai.protocol import ServerLimits
     from attnserve.presets import DEFAULT_MODEL
 
@@ -225,11 +277,15 @@ def _run_serve(args: argparse.Namespace) -> int:
                log_level=args.uvicorn_log_level,
                limits=ServerLimits(args.max_request_body_bytes, args.max_n, args.max_prompts,
                                    args.trust_request_chat_template, args.max_chat_template_bytes,
-                                   args.chat_template_timeout, args.max_chat_template_output_chars),
+                                   args.chat_template_timeout, args.max_chat_template_output_chars,
+                                   max_sequences_per_request=args.max_sequences_per_request,
+                                   max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars),
                log_stats_interval=None if args.disable_log_stats else env.log_stats_interval(),
                chat_template=args.chat_template,
                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-               frontend_multiprocessing=not args.disable_frontend_multiprocessing)
+               frontend_multiprocessing=not args.disable_frontend_multiprocessing,
+               connection_limits=ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout,
+                                                  args.timeout_keep_alive, args.shutdown_timeout))
     return 0
 
 

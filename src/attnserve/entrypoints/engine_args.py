@@ -1,19 +1,130 @@
-"""The engine flags of the command line (vLLM's names), shared by generate, serve and bench.
+"""The engine flags of the command line (vLLM's names), shared by generate, serve and bench,
+and the argparse value types every subcommand's flags use.
 
 ``add_engine_args`` adds them to a parser; ``engine_kwargs`` turns the parsed ones into the
 ``LLM(...)`` / ``EngineConfig.from_kwargs`` keywords, leaving out those not given (so the
 config's defaults, which the help texts quote, apply). ``HelpFormatter`` shows every option's
-default in ``--help``.
+default in ``--help``. The value types (``int_arg``, ``float_arg``, ``device_arg``, ...) check a
+flag's value as it is parsed, so a bad one ends in argparse's one-line error naming the flag
+(exit 2) before anything loads; the configs check the same keywords again for ``LLM(...)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
+from collections.abc import Callable
 from dataclasses import fields
 
-from attnserve.config import CacheConfig, ModelConfig, OffloadConfig
+from attnserve.config import (
+    DEVICE_PATTERN,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    ModelConfig,
+    OffloadConfig,
+)
 
-__all__ = ["HelpFormatter", "add_engine_args", "engine_kwargs"]
+__all__ = ["HelpFormatter", "add_engine_args", "device_arg", "engine_kwargs", "existing_file_arg", "float_arg",
+           "gib_size_arg", "int_arg", "kv_cache_dtype_arg", "output_file_arg"]
+
+INT64_MAX = 2**63 - 1
+
+
+def _range_text(lo: float | None, hi: float | None, lo_open: bool = False, hi_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f" in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f" {'>' if lo_open else '>='} {lo}"
+    return f" {'<' if hi_open else '<='} {hi}" if hi is not None else ""
+
+
+def int_arg(lo: int | None = None, hi: int | None = INT64_MAX) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in [lo, hi] (the default ``hi``: what an int64 holds)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = None
+        if value is None or (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be an integer{_range_text(lo, hi)}, got {text!r}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_arg(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+              hi_open: bool = False, allow_inf: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a number in the range (never NaN; infinite only with ``allow_inf``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        ok = not math.isnan(value) and (allow_inf or math.isfinite(value))
+        ok = ok and (lo is None or (value > lo if lo_open else value >= lo))
+        ok = ok and (hi is None or (value < hi if hi_open else value <= hi))
+        if not ok:
+            finite = "" if allow_inf else "finite "
+            raise argparse.ArgumentTypeError(f"must be a {finite}number{_range_text(lo, hi, lo_open, hi_open)}, "
+                                             f"got {text!r}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type``: cpu, cuda or cuda:N."""
+    if not re.fullmatch(DEVICE_PATTERN, text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def gib_size_arg(text: str) -> float:
+    """An argparse ``type``: a positive, finite memory size in GiB (80, 80GiB, 80G, 80GB)."""
+    from attnserve.entrypoints.inspect import parse_gib
+
+    try:
+        gib = parse_gib(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not math.isfinite(gib):
+        raise argparse.ArgumentTypeError(f"must be a finite memory size, got {text!r}")
+    return gib
+
+
+def existing_file_arg(text: str) -> str:
+    """An argparse ``type``: a regular file that can be read."""
+    if not os.path.isfile(text) or not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"no readable file {text!r}")
+    return text
+
+
+def output_file_arg(text: str) -> str:
+    """An argparse ``type``: a file that can be written (its directory exists and is writable;
+    checked now, not after a benchmark has run)."""
+    parent = os.path.dirname(os.path.abspath(text)) if text else ""
+    if not text or os.path.isdir(text) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write a file at {text!r} (no such writable directory, or a "
+                                         "directory)")
+    return text
+
+
+def _generation_config_arg(text: str) -> str:
+    if text not in ("auto", "vllm") and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"must be auto, vllm or a directory holding generation_config.json, "
+                                         f"got {text!r}")
+    return text
+
+
+def kv_cache_dtype_arg(text: str) -> str:
+    """An argparse ``type``: one of the KV cache dtype names."""
+    if text.lower() not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {text!r}")
+    return text
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -58,26 +169,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "operation/name (mla.absorbed/gluon) or technology (gluon, triton, cpu_ext); "
                         "the next variant of each operation runs instead, as `attnserve inspect` "
                         "shows (default: none)")
-    g.add_argument("--kv-cache-dtype", default="auto",
+    g.add_argument("--kv-cache-dtype", default="auto", type=kv_cache_dtype_arg,
                    help="the KV cache's element type: auto (the model's dtype), fp8, bfloat16, "
                         "float16 or float32")
-    g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"),
+    g.add_argument("--block-size", type=int_arg(1, 1 << 16), default=_default(CacheConfig, "block_size"),
                    help="tokens per KV cache block (a power of two; default: 64 for MLA models on "
                         "CUDA, else 16)")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--max-model-len", type=int_arg(1, 1 << 31), default=None,
                    help="the longest sequence, prompt and output together (default: the model "
                         "config's context length)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
+    g.add_argument("--max-num-seqs", type=int_arg(1, 1 << 20), default=None,
                    help=f"the most requests in one batch (default: by platform, {_defaults_text(0)})")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=int_arg(1, 1 << 31), default=None,
                    help="the most tokens one step computes; longer prompts are prefilled in chunks "
                         f"(default: by platform, {_defaults_text(1)})")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+    g.add_argument("--gpu-memory-utilization", type=float_arg(0, 1, lo_open=True), default=None,
                    help="the share of the GPU's memory the engine may use for weights, activations "
                         f"and KV cache (default: {_default(CacheConfig, 'gpu_memory_utilization')})")
-    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB",
+    g.add_argument("--kv-cache-memory", type=float_arg(0, lo_open=True), default=None, metavar="GiB",
                    help="KV cache size in GiB (CPU; default: a share of free memory)")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+    g.add_argument("--num-gpu-blocks-override", type=int_arg(2), default=None,
                    help="this many KV cache blocks instead of what memory allows (default: sized "
                         "from memory)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -85,11 +196,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="auto, safetensors: the checkpoint's weights; dummy: seeded random weights")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the model's dtype (auto: the checkpoint's)")
-    g.add_argument("--max-logprobs", type=int, default=_default(ModelConfig, "max_logprobs"),
+                   help="the model's dtype (auto: the checkpoint's on a GPU; on a CPU bfloat16 where it "
+                        "has bf16 dot products, else float32)")
+    g.add_argument("--max-logprobs", type=int_arg(-1), default=_default(ModelConfig, "max_logprobs"),
                    help="the most logprobs (and prompt_logprobs) one request may ask for; more is "
                         "refused; -1: no cap")
-    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+    g.add_argument("--kv-offloading-size", type=float_arg(0, lo_open=True), default=None, metavar="GiB",
                    help="host memory or disk for KV blocks evicted from the device, in GiB "
                         "(default: no offloading)")
     g.add_argument("--kv-offloading-backend", default=None, choices=["host", "disk"],
@@ -101,25 +213,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-sparse-latents", action="store_true", default=None,
                    help="sparse MLA (DSA): keep latent rows in host memory, indexer keys on the "
                         "device (default: off)")
-    g.add_argument("--kv-offload-sparse-latents-size", type=float, default=None, metavar="GiB",
+    g.add_argument("--kv-offload-sparse-latents-size", type=float_arg(0, lo_open=True), default=None, metavar="GiB",
                    help="host memory for those latent rows (default: half of what is available)")
-    g.add_argument("--tensor-parallel-size", type=int, default=None,
+    g.add_argument("--tensor-parallel-size", type=int_arg(1, 1 << 10), default=None,
                    help="GPUs to split the model over (default: 1)")
-    g.add_argument("--device", default=None,
+    g.add_argument("--device", default=None, type=device_arg,
                    help="cpu, cuda or cuda:N (default: this machine's platform)")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--seed", type=int_arg(0), default=0,
                    help="the seed of unseeded sampling and of dummy weights")
-    g.add_argument("--streaming-sinks", type=int, default=None,
+    g.add_argument("--streaming-sinks", type=int_arg(0, 1 << 31), default=None,
                    help="StreamingLLM: keep the first N tokens of every sequence (with "
                         "--streaming-window; default: off)")
-    g.add_argument("--streaming-window", type=int, default=None,
+    g.add_argument("--streaming-window", type=int_arg(1, 1 << 31), default=None,
                    help="StreamingLLM: and the last W tokens (with --streaming-sinks; default: off)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs (default: graphs on CUDA)")
     g.add_argument("--skip-weight-check", dest="check_weights_finite", action="store_false", default=None,
                    help="load weights without checking them for NaN and Inf (default: checked, one "
                         "pass over them on the device)")
-    g.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+    g.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR", type=_generation_config_arg,
                    help="the model's generation_config.json: 'auto' applies its EOS ids and default "
                         "sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
                         "where a request sets none; 'vllm' ignores it; or a directory holding one "

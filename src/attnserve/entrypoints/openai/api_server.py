@@ -2,9 +2,10 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events),
 ``/v1/models``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/version``, ``/metrics``
-(Prometheus), and the probes ``/health`` and ``/ping`` (GET or POST, as vLLM and SageMaker
-have it), the only routes the API key does not guard. Request fields the server does not know
-are ignored with a warning naming them (``protocol.py`` says which are refused instead).
+(Prometheus), and the probes ``/health`` (GET or HEAD) and ``/ping`` (GET, POST or HEAD, as
+vLLM and SageMaker have it), the only routes the API key does not guard. Request fields the
+server does not know are ignored with a warning naming them (``protocol.py`` says which are
+refused instead).
 Every error leaves as OpenAI words it,
 ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status. A client that goes
 away is noticed: a streamed request ends when its stream is cancelled, a whole-response request
@@ -14,6 +15,8 @@ aborts the request and frees its blocks.
 The engine is an ``EngineClient`` (``engine/engine_client.py``): by default its own process
 (``engine/engine_process.py``), so HTTP and the engine's host work do not share a GIL; with
 ``--disable-frontend-multiprocessing`` a thread of this process (``engine/async_engine.py``).
+``run_server`` serves the app with ``connections.build_server``: a connection cap and header,
+body and keep-alive timeouts, and a drain on SIGTERM (``drain.py``).
 
 Not here: running the engine, building responses from outputs (``serving_*.py``), the wire
 models (``protocol.py``).
@@ -25,6 +28,7 @@ import asyncio
 import hmac
 import json
 import logging
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -33,11 +37,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from attnserve import __version__
 from attnserve.engine.engine import PromptError
 from attnserve.engine.engine_client import EngineClient, EngineDeadError
+from attnserve.entrypoints.openai.connections import (
+    BodyTimeout,
+    ConnectionLimits,
+    build_server,
+    raise_fd_limit,
+)
+from attnserve.entrypoints.openai.drain import DrainingEngine
 from attnserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -51,6 +63,7 @@ from attnserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    openapi_body,
     validation_error,
 )
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -110,10 +123,30 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client left before its body was whole: nobody reads an answer, and the server did
+    nothing wrong (no error in the metrics, no traceback in the log)."""
+    logger.debug("%s: the client disconnected while sending its request", request.url.path)
+    return Response(status_code=499)
+
+
+def _printable(text: str, limit: int = 100) -> str:
+    """``text`` as one safe log line: at most ``limit`` characters, and newlines, ANSI escapes,
+    bidirectional controls and every other unprintable character escaped (``\\n``, ``\\x1b``)."""
+    cut = text[:limit]
+    if not cut.isprintable():
+        cut = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
+    return cut if len(text) <= limit else f"{cut}... ({len(text)} characters)"
+
+
+_LARGE_BODY = 1 << 20  # bytes: parsed and validated on a worker thread
+
+
 async def _json_body(request: Request, limits: ServerLimits) -> dict[str, Any]:
     raw = await _read_body(request, limits.max_request_body_bytes)
+    request.state.body_bytes = len(raw)
     try:  # a large body parses off the event loop
-        body = json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
+        body = json.loads(raw) if len(raw) < _LARGE_BODY else await asyncio.to_thread(json.loads, raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, nesting too deep
         raise OpenAIError(f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(body, dict):
@@ -128,20 +161,30 @@ async def _json_body(request: Request, limits: ServerLimits) -> dict[str, Any]:
 
 
 def _validate(request: Request, body: dict[str, Any], model: type[M]) -> M:
-    """The request model of ``body``; fields the server ignores are logged by name."""
+    """The request model of ``body``; fields the server ignores are logged by name (escaped:
+    the names are the client's)."""
     try:
         req = model.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from e
     ignored = req.ignored_fields()
     if ignored:
-        logger.warning("%s: ignoring request fields this server does not support: %s",
-                       request.url.path, ", ".join(ignored))
+        names = ", ".join(_printable(name) for name in ignored[:16])
+        more = f" and {len(ignored) - 16} more" if len(ignored) > 16 else ""
+        logger.warning("%s: ignoring request fields this server does not support: %s%s",
+                       request.url.path, names, more)
     return req
 
 
+async def _validated(request: Request, body: dict[str, Any], model: type[M]) -> M:
+    """``_validate``, on a worker thread for a large body (megabytes of token ids take a while)."""
+    if getattr(request.state, "body_bytes", 0) < _LARGE_BODY:
+        return _validate(request, body, model)
+    return await asyncio.to_thread(_validate, request, body, model)
+
+
 async def _parse(request: Request, model: type[M], limits: ServerLimits) -> M:
-    return _validate(request, await _json_body(request, limits), model)
+    return await _validated(request, await _json_body(request, limits), model)
 
 
 async def _disconnected(request: Request) -> None:
@@ -179,8 +222,22 @@ def _check_model(name: str, served: str) -> None:
 
 
 def _internal_error(exc: Exception) -> OpenAIError:
-    logger.error("unhandled error", exc_info=exc)
+    logger.error("unhandled error: %s", _escaped_traceback(exc))
     return OpenAIError(f"internal error: {exc!r}", status=500)
+
+
+def _escaped_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` and the exceptions it chains, each message escaped (a message
+    may quote what a client sent; the frames are this server's code)."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    parts = []
+    for e in reversed(chain):
+        parts += traceback.format_tb(e.__traceback__)
+        parts.append(f"{type(e).__qualname__}: {_printable(str(e), 1000)}\n")
+    return "".join(parts).rstrip()
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
@@ -190,13 +247,17 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         StarletteHTTPException: lambda e: OpenAIError(str(e.detail), status=e.status_code),
         RequestValidationError: lambda e: OpenAIError(str(e)),
         EngineDeadError: lambda e: OpenAIError(str(e), status=503),
+        BodyTimeout: lambda e: OpenAIError(str(e), status=408, code="request_timeout"),
         PromptError: lambda e: OpenAIError(str(e)),  # the engine refused the request: a 400
         Exception: _internal_error,
     }
     for exc_type, convert in to_openai.items():
 
         async def handler(request: Request, exc: Exception, convert=convert) -> Response:
-            return _error(convert(exc), metrics)
+            response = _error(convert(exc), metrics)
+            if isinstance(exc, BodyTimeout):  # the rest of the body is not read: nor is the connection
+                response.headers["connection"] = "close"
+            return response
 
         app.add_exception_handler(exc_type, handler)
 
@@ -222,9 +283,10 @@ def build_app(
     """
     limits = limits or ServerLimits()
     metrics = ServerMetrics(served_model_name, engine.stats, engine.max_model_len, engine.cache_info)
-    completion = OpenAIServingCompletion(engine, served_model_name, metrics, limits)
+    drain = DrainingEngine(engine)  # requests generate through it, so that a drain can end them
+    completion = OpenAIServingCompletion(drain, served_model_name, metrics, limits)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
-    chat = OpenAIServingChat(engine, served_model_name, metrics, limits, chat_template, parser)
+    chat = OpenAIServingChat(drain, served_model_name, metrics, limits, chat_template, parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -238,18 +300,23 @@ def build_app(
     app = FastAPI(title="attnserve", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.drain = drain
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key, metrics=metrics)
 
     _add_error_handlers(app, metrics)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        return await health()
+    # /ping answers GET and POST (SageMaker's probe); each method its own operation id, and HEAD
+    # as load balancers send it, left out of the schema
+    app.add_api_route("/ping", health, methods=["GET"], operation_id="ping_get")
+    app.add_api_route("/ping", health, methods=["POST"], operation_id="ping_post")
+    for path in _PROBES:
+        app.add_api_route(path, health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/version")
     async def version() -> Response:
@@ -266,47 +333,52 @@ def build_app(
         )
         return _json(ModelList(data=[card]))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest, limits)
         _check_model(req.model, served_model_name)
         return await _respond(request, completion.create(req))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest, limits)
         _check_model(req.model, served_model_name)
         return await _respond(request, chat.create(req))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(request: Request) -> Response:
         body = await _json_body(request, limits)
-        req = _validate(request, body, TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest)
+        req = await _validated(request, body, TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest)
         if req.model is not None:
             _check_model(req.model, served_model_name)
         tok = engine.tokenizer
-        if isinstance(req, TokenizeChatRequest):
-            ids = await asyncio.to_thread(chat.prompt_ids, req)
-        elif tok is None:
+        if tok is None and not isinstance(req, TokenizeChatRequest):
             raise OpenAIError("this model has no tokenizer", param="prompt")
-        else:
-            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
-        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return _json(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
-                                      token_strs=strs))
 
-    @app.post("/detokenize")
+        def answer() -> Response:  # on a worker thread: a long text has millions of tokens
+            ids = chat.prompt_ids(req) if isinstance(req, TokenizeChatRequest) else \
+                tok.encode(req.prompt, req.add_special_tokens)
+            strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return _json(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                          token_strs=strs))
+
+        return await asyncio.to_thread(answer)
+
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         req = await _parse(request, DetokenizeRequest, limits)
         if req.model is not None:
             _check_model(req.model, served_model_name)
-        bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise OpenAIError(f"token ids out of range [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
         if engine.tokenizer is None:
             raise OpenAIError("this model has no tokenizer", param="tokens")
-        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens, False)
-        return _json(DetokenizeResponse(prompt=text))
+
+        def answer() -> Response:  # on a worker thread: the ids may be millions
+            bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
+            if bad:
+                raise OpenAIError(f"token ids out of range [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
+            return _json(DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens, False)))
+
+        return await asyncio.to_thread(answer)
 
     return app
 
@@ -324,6 +396,7 @@ def run_server(
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
     frontend_multiprocessing: bool = True,
+    connection_limits: ConnectionLimits | None = None,
 ) -> None:
     """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``).
 
@@ -331,9 +404,8 @@ def run_server(
     ``chat_template``: a template, or the path of a file holding one (``--chat-template``);
     ``tool_call_parser``: serves ``tool_choice`` "auto" (``--enable-auto-tool-choice``);
     ``frontend_multiprocessing``: the engine in its own process (False: on a thread of this
-    one, ``--disable-frontend-multiprocessing``)."""
-    import uvicorn
-
+    one, ``--disable-frontend-multiprocessing``); ``connection_limits``: the connection cap,
+    the header, body and keep-alive timeouts and the shutdown timeout (``connections.py``)."""
     from attnserve.engine.async_engine import AsyncLLMEngine
     from attnserve.engine.engine_process import EngineProcessClient
     from attnserve.tokenizer import load_chat_template
@@ -341,10 +413,17 @@ def run_server(
     template = load_chat_template(chat_template)  # a bad path fails before the model loads
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)  # an unknown name, too
+    raise_fd_limit()  # before the engine process starts, so that it inherits the limit too
     engine_class = EngineProcessClient if frontend_multiprocessing else AsyncLLMEngine
     engine = engine_class.from_kwargs(model, log_stats_interval=log_stats_interval, **engine_kwargs)
     try:
         app = build_app(engine, served_model_name or model, api_key, limits, template, tool_call_parser)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        server = build_server(app, connection_limits, host, port, log_level, drain=app.state.drain)
+        try:
+            server.run()
+        except KeyboardInterrupt:  # as uvicorn.run: Ctrl-C, re-raised once the server has stopped
+            pass
+        if not server.started:  # as uvicorn.run: a start-up that failed is an error
+            raise SystemExit(3)
     finally:  # also when uvicorn fails (a port in use): no engine process is left behind
         engine.shutdown()

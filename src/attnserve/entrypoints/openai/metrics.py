@@ -204,6 +204,9 @@ class _EngineCollector:
          "offload_bytes_loaded"),
         ("attnserve:offload_transfer_seconds", "counter", "Time spent copying to and from the offload tier.",
          "offload_seconds"),
+        ("attnserve:offload_failed_stores", "counter",
+         "Blocks the KV offload tier could not keep (a full or unwritable disk); they are recomputed.",
+         "offload_failed_stores"),
         ("attnserve:engine_steps", "counter", "Engine steps run.", "num_steps"),
     )
 

@@ -71,6 +71,8 @@ __all__ = [
     "ServerLimits",
     "check_context",
     "check_for_model",
+    "check_prompt_chars",
+    "openapi_body",
     "check_logprobs",
     "random_id",
     "sse",
@@ -191,6 +193,8 @@ def _extras(model: BaseModel, prefix: str) -> Iterator[tuple[str, Any]]:
             yield prefix + name, value
     for name in type(model).model_fields:
         value = getattr(model, name)
+        if isinstance(value, list) and not (value and isinstance(value[0], BaseModel)):
+            continue  # a list's items are all models or none (millions of token ids are not walked)
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, BaseModel):
                 yield from _extras(item, f"{prefix}{name}.")
@@ -483,12 +487,16 @@ def _tool_calls_schema(functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     """What one request may ask of the server (``attnserve serve`` flags of the same names)."""
 
     max_request_body_bytes: int = 16 << 20
-    max_n: int = 128  # completions per prompt
+    max_n: int = 128  # completions per prompt (and best_of)
     max_prompts: int = 1024  # prompts per completion request
     trust_request_chat_template: bool = False  # a template sent in the request may be rendered
     # a template sent in the request (when trusted): its size, and bounds on rendering it
@@ -496,10 +504,17 @@ class ServerLimits:
     max_chat_template_bytes: int = 64 << 10
     chat_template_timeout_s: float = 2.0
     max_chat_template_output_chars: int = 16 << 20
+    # what one request costs every step: its sequences (prompts x n, or x best_of), and its stop
+    # strings (each is searched for in every new piece of text); vLLM caps neither, so these
+    # are far above what a client asks for in earnest
+    max_sequences_per_request: int = 4096
+    max_stop_strings: int = 256
+    max_stop_chars: int = 16 << 10  # all stop strings together
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_n", "max_prompts", "max_chat_template_bytes",
-                     "max_chat_template_output_chars"):
+                     "max_chat_template_output_chars", "max_sequences_per_request", "max_stop_strings",
+                     "max_stop_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -519,13 +534,30 @@ class ServerLimits:
             raise OpenAIError(f"the chat template is {size} bytes, above this server's limit of "
                               f"{self.max_chat_template_bytes} (--max-chat-template-bytes)", param=param)
 
-    def check(self, n: int, num_prompts: int = 1) -> None:
-        """A 400 naming the field when a request asks for more than these limits allow."""
-        if n > self.max_n:
-            raise OpenAIError(f"n is {n}, above this server's limit of {self.max_n}", param="n")
+    def check(self, n: Any, num_prompts: int = 1, stop: Any = None, best_of: Any = None) -> None:
+        """A 400 naming the field, the limit and the flag that raises it when a request asks for
+        more than these limits allow (values of the wrong type are left to the later checks)."""
+        for field, value in (("n", n), ("best_of", best_of)):
+            if _is_int(value) and value > self.max_n:
+                raise OpenAIError(f"{field} is {value}, above this server's limit of {self.max_n} (--max-n)",
+                                  param=field)
         if num_prompts > self.max_prompts:
-            raise OpenAIError(f"{num_prompts} prompts, above this server's limit of {self.max_prompts}",
-                              param="prompt")
+            raise OpenAIError(f"{num_prompts} prompts, above this server's limit of {self.max_prompts} "
+                              "(--max-prompts)", param="prompt")
+        per_prompt = max(v for v in (n, best_of, 1) if _is_int(v))
+        if num_prompts * per_prompt > self.max_sequences_per_request:
+            field = "n" if per_prompt == n else "best_of"
+            raise OpenAIError(f"the request asks for {num_prompts * per_prompt} sequences ({num_prompts} prompts x "
+                              f"{field} {per_prompt}), above this server's limit of {self.max_sequences_per_request} "
+                              "per request (--max-sequences-per-request)", param=field)
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+        if len(stops) > self.max_stop_strings:
+            raise OpenAIError(f"stop has {len(stops)} strings, above this server's limit of "
+                              f"{self.max_stop_strings} (--max-stop-strings)", param="stop")
+        chars = sum(len(s) for s in stops if isinstance(s, str))
+        if chars > self.max_stop_chars:
+            raise OpenAIError(f"the stop strings have {chars} characters in all, above this server's limit of "
+                              f"{self.max_stop_chars} (--max-stop-chars)", param="stop")
 
 
 def check_logprobs(value: int | None, max_logprobs: int, param: str) -> None:
@@ -545,6 +577,24 @@ def check_for_model(params: SamplingParams, vocab_size: int, max_logprobs: int =
     except PromptError as e:
         raise OpenAIError(str(e), param=str(e).split()[0]) from e
     return params
+
+
+def check_prompt_chars(num_chars: int, max_chars_per_token: int | None, max_model_len: int,
+                       prompt_param: str = "prompt") -> None:
+    """A 400 before tokenising, for a text that cannot fit the model: with at most
+    ``max_chars_per_token`` characters a token (``Tokenizer.max_chars_per_token``; None: no
+    bound is known, nothing is checked), more than ``max_model_len`` times that many characters
+    are more than ``max_model_len`` tokens, and ``check_context`` would refuse them anyway."""
+    if max_chars_per_token is None or num_chars <= max_model_len * max_chars_per_token:
+        return
+    raise OpenAIError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+        f"{num_chars} characters, more than {max_model_len} tokens can hold ({max_model_len * max_chars_per_token} "
+        f"characters, at most {max_chars_per_token} a token with this tokenizer); it was not tokenised. "
+        "Please reduce the length of the prompt (or start the server with a larger --max-model-len).",
+        param=prompt_param,
+        code="context_length_exceeded",
+    )
 
 
 def check_context(
@@ -576,6 +626,31 @@ def check_context(
             code="context_length_exceeded",
         )
     return max_tokens
+
+
+def openapi_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` of a route that reads its JSON body itself: the body is one of
+    ``models``, their references inlined (an OpenAPI document cannot reach a schema's
+    ``$defs``), so that clients and fuzzers (schemathesis) see what the route takes."""
+    schemas = [_inline_refs(m.model_json_schema()) for m in models]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: inline(v) for k, v in node.items() if k != "$ref"}
+        if "$ref" in node:  # "#/$defs/Name"; the request models nest without recursion
+            out = {**inline(defs[node["$ref"].rsplit("/", 1)[-1]]), **out}
+        return out
+
+    return inline(schema)
 
 
 class TokenizeCompletionRequest(_Strict):

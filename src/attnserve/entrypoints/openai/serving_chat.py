@@ -53,12 +53,13 @@ from attnserve.entrypoints.openai.protocol import (
     check_context,
     check_for_model,
     check_logprobs,
+    check_prompt_chars,
     random_id,
     sse,
 )
 from attnserve.entrypoints.openai.serving_completion import (
     StreamProgress,
-    compile_constraint,
+    check_constraints,
     raise_if_failed,
     stop_holdback,
 )
@@ -95,7 +96,7 @@ class OpenAIServingChat:
                               'e.g. hermes); or send "required", a named function or "none"', param="tool_choice")
         check_logprobs(req.top_logprobs, self.engine.max_logprobs, "top_logprobs")
         prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, self.engine.vocab_size, self.engine.max_logprobs)
-        self.limits.check(req.n)
+        self.limits.check(req.n, stop=req.stop)
         # rendering and tokenising are the client's work: off the event loop
         ids = await asyncio.to_thread(self._prompt_ids, req)
         ids = truncate_prompt_ids(ids, req.truncate_prompt_tokens, self.engine.max_model_len)
@@ -106,7 +107,7 @@ class OpenAIServingChat:
         params = self.engine.generation_config.apply(req.to_sampling_params(max_tokens, prompt_logprobs),
                                                     req.model_fields_set)
         params = check_for_model(params, self.engine.vocab_size, self.engine.max_logprobs)
-        await compile_constraint(self.engine, req, params)
+        await check_constraints(self.engine, req, params)
         rid = random_id("chatcmpl")
         stream = self.metrics.track(
             self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival
@@ -134,10 +135,12 @@ class OpenAIServingChat:
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The conversation's prompt token ids, rendered and checked as for a chat request
-        (``/tokenize`` of messages, so that its count is the chat's ``usage.prompt_tokens``)."""
-        return self._prompt_ids(req)
+        (``/tokenize`` of messages, so that its count is the chat's ``usage.prompt_tokens``; as
+        vLLM's, it counts a conversation longer than the model too)."""
+        return self._prompt_ids(req, fit=False)
 
-    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def _prompt_ids(self, req: ChatCompletionRequest, fit: bool = True) -> list[int]:
+        """``fit``: refuse a rendered conversation too long for the model before tokenising it."""
         tok = self.engine.tokenizer
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:
@@ -177,6 +180,8 @@ class OpenAIServingChat:
             )
         except (ValueError, TypeError, TemplateError) as e:
             raise OpenAIError(f"the chat template failed: {e}", param=sent[0][0] if sent else "messages") from e
+        if fit and req.truncate_prompt_tokens is None:  # with truncation a longer prompt is fine
+            check_prompt_chars(len(text), tok.max_chars_per_token, self.engine.max_model_len, "messages")
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
         if not ids:
             raise OpenAIError("the rendered conversation is empty", param="messages")

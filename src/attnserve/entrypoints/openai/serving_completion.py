@@ -19,6 +19,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from attnserve.detokenizer import decode_token
 from attnserve.engine.engine import PromptError, truncate_prompt_ids
 from attnserve.engine.engine_client import EngineClient
@@ -40,16 +42,19 @@ from attnserve.entrypoints.openai.protocol import (
     check_context,
     check_for_model,
     check_logprobs,
+    check_prompt_chars,
     completion_chunk_head,
     completion_chunk_sse,
     random_id,
     sse,
 )
+from attnserve.layers.sampler import unpack_bitmask
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 from attnserve.sampling_params import SamplingParams
+from attnserve.tokenizer import Tokenizer
 
-__all__ = ["OpenAIServingCompletion", "StreamProgress", "compile_constraint", "merge", "raise_if_failed",
-           "stop_holdback"]
+__all__ = ["OpenAIServingCompletion", "StreamProgress", "check_constraints", "compile_constraint",
+           "first_token_bans", "first_token_conflict", "merge", "raise_if_failed", "stop_holdback"]
 
 T = TypeVar("T")
 _DONE = object()
@@ -113,6 +118,75 @@ async def compile_constraint(engine: EngineClient, req: CompletionRequest | Chat
         raise OpenAIError(str(e), param=req.output_constraint()[0]) from e
 
 
+async def check_constraints(engine: EngineClient, req: CompletionRequest | ChatCompletionRequest,
+                            params: SamplingParams) -> None:
+    """``compile_constraint``, then a 400 for constraints that contradict each other from the
+    first token on: nothing the grammar, ``allowed_token_ids``, ``bad_words`` and ``min_tokens``
+    leave could be sampled (the sampler would pick a token they all forbid). Only the first
+    token is checked: constraints that first meet after some tokens (a grammar that needs, a
+    few tokens in, a token the request disallows) are not found here; the sampler, left with
+    no token there, takes one the constraints forbid, as vLLM's does."""
+    await compile_constraint(engine, req, params)
+    if params.allowed_token_ids is None and not params.bad_words and params.min_tokens == 0:
+        return  # nothing that bans tokens: a grammar alone always allows a first one
+    conflict = await asyncio.to_thread(first_token_conflict, engine, params, req.output_constraint()[0])
+    if conflict is not None:
+        field, message = conflict
+        raise OpenAIError(f"no token can be generated: {message}", param=field, code="conflicting_constraints")
+
+
+def first_token_conflict(engine: EngineClient, params: SamplingParams,
+                         constraint: str | None = None) -> tuple[str, str] | None:
+    """(the field to name, why) when no token is left to sample first, else None
+    (``constraint``: the request field the output constraint came from)."""
+    vocab, grammar, allowed = engine.vocab_size, params.structured_outputs, params.allowed_token_ids
+    tok = engine.tokenizer
+    bans = [t for t in first_token_bans(tok, params.bad_words or []) if t < vocab] if tok is not None else []
+    min_bans: list[int] = []
+    if params.min_tokens > 0 and grammar is None:  # a grammar decides where the output ends
+        eos = () if params.ignore_eos else (*engine.structured.stop_token_ids,
+                                            *engine.generation_config.eos_token_ids)
+        min_bans = [t for t in (*params.stop_token_ids, *eos) if t < vocab]
+    if allowed is None and not bans and not min_bans:
+        return None  # a grammar alone always allows a first token
+    said = []
+    if grammar is not None:
+        bitmask = engine.structured.fill_bitmask([engine.structured.grammar_for(grammar)])
+        left = unpack_bitmask(bitmask, vocab)[0]
+        said.append(f"{constraint or 'the output constraint'} allows {int(left.sum())} tokens first")
+    else:
+        left = torch.ones(vocab, dtype=torch.bool)
+    if allowed is not None:
+        only = torch.zeros(vocab, dtype=torch.bool)
+        only[allowed] = True
+        left &= only
+        said.append(f"allowed_token_ids allows only {sorted(set(allowed))[:8]}")
+    for ids, why in ((bans, "bad_words bans"), (min_bans, f"min_tokens ({params.min_tokens}) bans the end and stop "
+                                                             "tokens")):
+        if ids:
+            left[ids] = False
+            said.append(f"{why} {sorted(set(ids))[:8]}")
+    if bool(left.any()):
+        return None
+    field = "allowed_token_ids" if allowed is not None else "bad_words" if bans else "min_tokens"
+    return field, "; ".join(said)
+
+
+def first_token_bans(tokenizer: Tokenizer, bad_words: Sequence[str]) -> list[int]:
+    """The tokens ``bad_words`` ban from the first generated token on: the one-token words, as
+    the engine tokenises them (``LLMEngine.bad_words_token_ids``: the word without its leading
+    spaces, and with one space before it)."""
+    bans = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if len(plain) == 1:
+            bans.append(plain[0])
+            if len(spaced) == 1 and spaced[0] != plain[0]:
+                bans.append(spaced[0])
+    return bans
+
+
 async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several streams as they come, tagged with the stream's index.
 
@@ -166,11 +240,11 @@ class OpenAIServingCompletion:
             OpenAIError: the request cannot be served (nothing was submitted).
         """
         arrival = time.perf_counter()
+        texts = req.prompts()
+        self.limits.check(req.n, len(texts), req.stop, req.best_of)
         req.check_supported()
         check_logprobs(req.logprobs, self.engine.max_logprobs, "logprobs")
         prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, self.engine.vocab_size, self.engine.max_logprobs)
-        texts = req.prompts()
-        self.limits.check(req.n, len(texts))
         # tokenising is the client's work: off the event loop, which serves every other client
         prompts = await asyncio.to_thread(
             lambda: [self._prompt_ids(p, req.add_special_tokens, req.truncate_prompt_tokens) for p in texts]
@@ -189,7 +263,7 @@ class OpenAIServingCompletion:
             )
             for _, ids in prompts
         ]
-        await compile_constraint(self.engine, req, params[0])
+        await check_constraints(self.engine, req, params[0])
         rid = random_id("cmpl")
         streams = [
             self.metrics.track(
@@ -220,11 +294,15 @@ class OpenAIServingCompletion:
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True,
                     keep: int | None = None) -> tuple[str, list[int]]:
         """(prompt text, token ids), checked as the engine would check them; the last ``keep``
-        tokens only (``truncate_prompt_tokens``), their text then decoded from them."""
-        tok = self.engine.tokenizer
+        tokens only (``truncate_prompt_tokens``), their text then decoded from them. A prompt
+        that cannot fit the model is refused before the work that grows with it: a text from
+        its length in characters, before it is tokenised; token ids before they are decoded."""
+        tok, max_model_len = self.engine.tokenizer, self.engine.max_model_len
         if isinstance(prompt, str):
             if tok is None:
                 raise OpenAIError("this model has no tokenizer: send token ids", param="prompt")
+            if keep is None:  # with truncate_prompt_tokens a longer prompt is fine
+                check_prompt_chars(len(prompt), tok.max_chars_per_token, max_model_len)
             ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
             text = prompt
         else:
@@ -235,11 +313,13 @@ class OpenAIServingCompletion:
                 raise OpenAIError(
                     f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt"
                 )
-            text = tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+            text = None
         if not ids:
             raise OpenAIError("the prompt is empty", param="prompt")
-        kept = truncate_prompt_ids(ids, keep, self.engine.max_model_len)
-        if len(kept) < len(ids):
+        kept = truncate_prompt_ids(ids, keep, max_model_len)
+        if len(kept) >= max_model_len:
+            check_context(len(kept), None, max_model_len)  # refused here, before decoding it
+        if text is None or len(kept) < len(ids):
             text = tok.decode(kept, skip_special_tokens=False) if tok is not None else ""
         return text, kept
 

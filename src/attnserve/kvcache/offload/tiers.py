@@ -1,13 +1,15 @@
 """Offload tiers: where evicted-or-not KV blocks live outside the device cache.
 
 A tier stores fixed-size byte blobs (one KV cache block of one group, all layers contiguous,
-or one state snapshot) under a key, with least-recently-used eviction when full. ``host`` keeps
+or one state snapshot) under a key, with least-recently-used eviction when full; slots are
+numbered as they are first used, so the bookkeeping is proportional to what is held. ``host`` keeps
 them in one preallocated (pinned, on CUDA machines) byte buffer; ``disk`` keeps one file per
 blob under a directory, named by the model's identity and the key, with both and a checksum in
 its header, so a corrupt, missing, moved or foreign file reads as a miss and the engine
 recomputes instead of answering wrongly; engines of one model share the directory's blocks, and
 a restarted engine finds its earlier ones. A tier knows bytes and keys, not models (the disk
-tier is given the model's identity as an opaque string).
+tier is given the model's identity as an opaque string: ``engine/builder.model_identity``, which
+covers everything that changes a block's bytes, backends and kernel variants included).
 
 Copies into and out of a tier may be asynchronous (``runner/offload_io.py``), so a store is two
 steps: ``reserve`` gives the buffer to copy into (the host tier's own slot, or a staging buffer
@@ -26,6 +28,7 @@ import os
 import secrets
 import stat
 import struct
+import time
 import zlib
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -49,7 +52,10 @@ class OffloadTier:
         self.index: OrderedDict[Key, int] = OrderedDict()  # committed key -> slot, oldest first
         self.reserved: dict[Key, int] = {}  # key -> slot being written, not readable yet
         self.held: Counter[Key] = Counter()  # keys whose blob a load is still copying
-        self._free = list(range(capacity - 1, -1, -1))
+        # slots are numbered as first used: ``_next_slot`` is the high-water mark, ``_free`` the
+        # released ones below it, so bookkeeping grows with what is stored, not with capacity
+        self._next_slot = 0
+        self._free: list[int] = []
         self.evictions = 0
 
     def __contains__(self, key: Key) -> bool:
@@ -62,10 +68,20 @@ class OffloadTier:
     def __len__(self) -> int:
         return len(self.index)
 
+    def _has_free_slot(self) -> bool:
+        return bool(self._free) or self._next_slot < self.capacity
+
+    def _new_slot(self) -> int:
+        """A slot no blob holds (call only when ``_has_free_slot``)."""
+        if self._free:
+            return self._free.pop()
+        self._next_slot += 1
+        return self._next_slot - 1
+
     def _take_slot(self, key: Key) -> int | None:
         """A free slot, or the least recently used one that no load holds; None if all are busy."""
-        if self._free:
-            slot = self._free.pop()
+        if self._has_free_slot():
+            slot = self._new_slot()
         else:
             old = next((k for k in self.index if not self.held[k]), None)
             if old is None:
@@ -152,6 +168,28 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _HEX = frozenset("0123456789abcdef")
 
 
+class _FailureLog:
+    """Counts one kind of failure and logs the first at once, then at most one line per
+    ``interval`` seconds with the count: a full or read-only disk fails every store, and a line
+    per block would flood the log."""
+
+    def __init__(self, what: str, interval: float = 60.0):
+        self.what = what
+        self.interval = interval
+        self.count = 0
+        self._logged_at: float | None = None
+        self._logged_count = 0
+
+    def record(self, detail: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self._logged_at is not None and now - self._logged_at < self.interval:
+            return
+        logger.warning("offload: %s: %d so far (%d since the last report; latest: %s); those blocks are "
+                       "recomputed", self.what, self.count, self.count - self._logged_count, detail)
+        self._logged_at, self._logged_count = now, self.count
+
+
 class _NotOurs(ValueError):
     """The file is not this engine's block (another model's, another key's, a link, a stray
     file): a miss, and never deleted."""
@@ -173,8 +211,12 @@ class DiskTier(OffloadTier):
     Files are written to a unique temporary name and renamed into place, so a reader (this engine
     or another) sees a whole old file or a whole new one. No symbolic link is followed, read or
     written, below the directory. A file is deleted (on eviction, or when its checksum fails) only
-    when its header names this model and its key; a failed write is counted (``failures``) and the
-    block stays unstored.
+    when its header names this model and its key; a failed write is counted (``failures``,
+    ``write_failures``) and the block stays unstored. Failures are logged with their count, the
+    first at once and then at most once a minute, not once per block.
+
+    Bookkeeping grows with the blocks held, not with ``capacity``: a budget of a terabyte costs
+    nothing until blocks are written.
     """
 
     def __init__(self, capacity: int, blob_bytes: int, directory: str | os.PathLike, pin_memory: bool = False,
@@ -191,12 +233,26 @@ class DiskTier(OffloadTier):
         self.namespace = namespace.encode()
         self.model_id = hashlib.sha256(b"attnserve kv model\0" + self.namespace).digest()
         self.pin_memory = pin_memory  # staging buffers of stores (CUDA copies into them)
-        self.failures = 0
+        self.failures = 0  # reads and writes that failed (each block is recomputed instead)
+        self._write_failures = _FailureLog("disk writes failed")
+        self._read_failures = _FailureLog("disk blocks missing or corrupt")
         self.adopted = 0  # blocks found in the directory (an earlier run's, another engine's)
         self._staging: dict[Key, torch.Tensor] = {}
         self._bad: set[Key] = set()  # keys whose file is not ours: absent until this tier writes them
         self._unclaimed: OrderedDict[str, int] = OrderedDict()  # this model's files, key unknown -> slot
         self._scan()
+        with contextlib.suppress(OSError):
+            st = os.statvfs(self.dir)
+            room = st.f_bavail * st.f_frsize + len(self._unclaimed) * (_HEADER.size + blob_bytes)
+            if capacity * (_HEADER.size + blob_bytes) > room:
+                logger.warning("offload: the disk tier may hold %.1f GiB but %s has %.1f GiB free: writes "
+                               "beyond that fail (counted, and logged once a minute)",
+                               capacity * blob_bytes / 1024**3, self.dir, room / 1024**3)
+
+    @property
+    def write_failures(self) -> int:
+        """Blocks whose file could not be written (a full, read-only or vanished directory)."""
+        return self._write_failures.count
 
     def close(self) -> None:
         if self._root >= 0:
@@ -287,7 +343,7 @@ class DiskTier(OffloadTier):
         for _, h in found[:keep]:  # beyond capacity (a smaller budget than last time): the oldest go
             self._unlink_if_ours(h)
         for _, h in found[keep:]:
-            self._unclaimed[h] = self._free.pop()
+            self._unclaimed[h] = self._new_slot()
         if found:
             logger.info("offload: %d blocks of this model in %s (%d kept)", len(found), self.dir, len(found) - keep)
 
@@ -309,7 +365,7 @@ class DiskTier(OffloadTier):
             return False
 
     def _take_slot(self, key: Key) -> int | None:
-        if not self._free and self._unclaimed:  # an earlier run's unclaimed files go first
+        if not self._has_free_slot() and self._unclaimed:  # an earlier run's unclaimed files go first
             h, slot = self._unclaimed.popitem(last=False)
             self._unlink_if_ours(h)
             self._free.append(slot)
@@ -342,7 +398,7 @@ class DiskTier(OffloadTier):
             os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)  # replaces a link at ``name``, not its target
         except OSError as e:  # a full or unwritable disk is a miss later, never a wrong answer
             self.failures += 1
-            logger.warning("offload: cannot write %s (%s); the block will be recomputed", self._path(key), e)
+            self._write_failures.record(f"{self._path(key)}: {e}")
             if sub >= 0:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=sub)
@@ -383,7 +439,7 @@ class DiskTier(OffloadTier):
 
     def _fail(self, key: Key, error: Exception, delete: bool) -> None:
         self.failures += 1
-        logger.warning("offload: %s is missing or corrupt (%s); recomputing instead", self._path(key), error)
+        self._read_failures.record(f"{self._path(key)}: {error}")
         if delete and key in self.index:
             self._forget(key)
         elif delete:
