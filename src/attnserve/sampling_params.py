@@ -45,8 +45,9 @@ class StructuredOutputsParams:
     ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the output is one of
     these strings), ``grammar`` (xgrammar's EBNF) or ``json_object`` (any JSON object).
 
-    ``disable_any_whitespace`` makes JSON compact (no free whitespace between tokens, which
-    small models otherwise fill). ``disable_additional_properties`` is accepted for vLLM's
+    JSON allows at most two whitespace characters between tokens by default
+    (``engine/structured_output.MAX_JSON_WHITESPACE``: small models otherwise fill the output
+    with newlines); ``disable_any_whitespace`` makes it compact (one line, ``", "`` and ``": "``). ``disable_additional_properties`` is accepted for vLLM's
     sake: objects already admit no property their schema does not name (xgrammar's strict
     mode). Not supported: ``structural_tag``, ``whitespace_pattern``, Lark grammars.
     """

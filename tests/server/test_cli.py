@@ -284,3 +284,104 @@ def test_bench_serve_refuses_a_malformed_requests_file(tmp_path, content):
         serve_requests(args)
     path.write_text("[[[1, 2], 3]]")
     assert serve_requests(args) == [([1, 2], 3)]
+
+
+# --- bench serve with vLLM's flag names (issue #38) ---------------------------------------------
+VLLM_RESULT_KEYS = {
+    "date", "backend", "model_id", "num_prompts", "request_rate", "max_concurrency", "duration", "completed",
+    "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
+    "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "errors",
+    *(f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
+}
+
+
+def _sharegpt(path, n_long: int = 3) -> list[tuple[str, str]]:
+    """A ShareGPT file: ``n_long`` usable conversations, plus ones vLLM skips (a one-turn one, a
+    gpt-first one, a two-word answer) and a system turn before the human one."""
+    words = "the quick brown fox jumps over the lazy dog while seven cats watch it from a wall".split()
+    usable = [(" ".join(words[i: i + 8]), " ".join(reversed(words[: 6 + i]))) for i in range(n_long)]
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+             for i, (q, a) in enumerate(usable)]
+    convs[0]["conversations"].insert(0, {"from": "system", "value": "be brief"})
+    convs += [
+        {"id": "one-turn", "conversations": [{"from": "human", "value": "a question with no answer here"}]},
+        {"id": "gpt-first", "conversations": [{"from": "gpt", "value": "hello"}]},
+        {"id": "short", "conversations": [{"from": "human", "value": "say something short please now"},
+                                          {"from": "gpt", "value": "ok"}]},
+    ]
+    path.write_text(json.dumps(convs))
+    return usable
+
+
+def test_bench_serve_takes_vllm_flag_names_and_the_old_ones():
+    common = ["bench", "serve", "--num-prompts", "3"]
+    new = build_parser().parse_args([*common, "--random-input-len", "7", "--random-output-len", "5",
+                                     "--random-range-ratio", "0.25", "--backend", "openai-chat",
+                                     "--dataset-name", "random", "--save-result", "--result-dir", "d",
+                                     "--result-filename", "r.json", "--ignore-eos"])
+    old = build_parser().parse_args([*common, "--input-len", "7", "--output-len", "5", "--range-ratio", "0.25",
+                                     "--output-json", "x.json"])
+    for args in (new, old):
+        assert (args.input_len, args.output_len, args.range_ratio) == (7, 5, 0.25)
+    assert (new.backend, new.endpoint, new.save_result, new.result_dir, new.result_filename) == \
+        ("openai-chat", None, True, "d", "r.json")
+    assert (old.backend, old.dataset_name, old.save_result, old.output_json) == ("openai", "random", False, "x.json")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset-name", "sharegpt"], "--dataset-name sharegpt needs --dataset-path"),
+    (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "--endpoint /v1/completions does not fit"),
+    (["--endpoint", "/v1/chat/completions"], "does not fit --backend openai"),
+    (["--sharegpt-output-len", "4"], "--sharegpt-output-len is for --dataset-name sharegpt"),
+])
+def test_bench_serve_refuses_flags_that_do_not_go_together(argv, message, capsys):
+    assert main(["bench", "serve", "--port", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_serve_sharegpt_and_save_result(server, model_dir, tmp_path, monkeypatch):
+    """``--dataset-name sharegpt``: the first human turn is the prompt, the gpt turn's token count the
+    output length; conversations vLLM skips are skipped, the rest oversampled to ``--num-prompts``;
+    ``--save-result`` writes vLLM's keys to ``--result-dir`` under vLLM's file name."""
+    from attnserve.tokenizer import load_tokenizer
+
+    usable = _sharegpt(tmp_path / "sharegpt.json")
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "serve", "--backend", "vllm", "--port", str(server.port), "--api-key", API_KEY,
+                 "--model", "tiny", "--dataset-name", "sharegpt", "--dataset-path", "sharegpt.json",
+                 "--num-prompts", "5", "--max-concurrency", "4", "--save-result", "--result-dir", "out"]) == 0
+    [path] = list((tmp_path / "out").iterdir())
+    assert path.name.startswith("vllm-infqps-concurrency4-tiny-") and path.suffix == ".json"
+    result = json.loads(path.read_text())
+    assert VLLM_RESULT_KEYS <= set(result), VLLM_RESULT_KEYS - set(result)
+    assert result["completed"] == 5 and not any(result["errors"]), result["errors"]
+    tok = load_tokenizer(model_dir)
+    lens = {(len(tok.encode(q)), len(tok.encode(a, add_special_tokens=False))) for q, a in usable}
+    assert set(zip(result["input_lens"], result["output_lens"])) <= lens
+    assert len(set(result["input_lens"])) > 1  # more than one conversation was sampled
+    assert result["total_output_tokens"] == sum(result["output_lens"])
+    assert result["request_rate"] == "inf" and result["max_concurrency"] == 4
+    server.wait_idle()
+
+
+def test_bench_serve_chat_backend(server, model_dir, tmp_path):
+    """``--backend openai-chat`` drives /v1/chat/completions (the tiny model's chat template): random
+    ids are decoded to text; every request gets its max tokens; TTFT is the first text, not the role."""
+    usable = _sharegpt(tmp_path / "sharegpt.json", n_long=2)
+    common = ["bench", "serve", "--backend", "openai-chat", "--port", str(server.port), "--api-key", API_KEY,
+              "--num-prompts", "4", "--save-result"]
+    assert main([*common, "--random-input-len", "12", "--random-output-len", "5", "--vocab-size", "2048",
+                 "--result-filename", str(tmp_path / "chat.json")]) == 0
+    result = json.loads((tmp_path / "chat.json").read_text())
+    assert result["completed"] == 4 and result["backend"] == "openai-chat", result["errors"]
+    assert result["endpoint"] == "/v1/chat/completions" and result["output_lens"] == [5] * 4
+    assert all(n > 0 for n in result["input_lens"]) and all(len(itl) == 4 for itl in result["itls"])
+    assert 0 < result["median_ttft_ms"] < result["median_e2el_ms"]
+    assert main([*common, "--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "sharegpt.json"),
+                 "--sharegpt-output-len", "3", "--tokenizer", str(model_dir),
+                 "--result-filename", str(tmp_path / "chat2.json")]) == 0
+    result = json.loads((tmp_path / "chat2.json").read_text())
+    assert result["completed"] == 4 and result["output_lens"] == [3] * 4, result["errors"]
+    # with a fixed output length the two-word answer is kept too (vLLM skips that check then)
+    assert len(usable) == 2 and len(set(result["input_lens"])) == 3
+    server.wait_idle()

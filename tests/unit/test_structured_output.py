@@ -147,3 +147,30 @@ def test_byte_tokenizer_vocabulary():
     assert allowed == [ord("b")]
     assert grammar.advance(list(b"ab") + [299]) is None and grammar.terminated
     assert manager.grammar_for(Structured(regex="[0-9]")).advance([ord("x")]) is not None
+
+
+def test_json_whitespace_is_bounded_unless_disabled():
+    """Issue 38: JSON allows at most MAX_JSON_WHITESPACE whitespace characters in each gap (the
+    demo model otherwise writes newlines until max_tokens); disable_any_whitespace allows none
+    beyond the one-line separators ", " and ": "."""
+    from attnserve.engine.structured_output import MAX_JSON_WHITESPACE, StructuredOutputManager
+    from attnserve.tokenizer import ByteTokenizer
+
+    manager = StructuredOutputManager(ByteTokenizer(257, eos_token_id=256), 257, [256])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def accepts(text: str, **kw) -> bool:
+        for params in (Structured(json=schema, **kw), Structured(json_object=True, **kw)):
+            grammar = manager.grammar_for(params)
+            if grammar.advance(list(text.encode()) + [256]) is not None or not grammar.terminated:
+                return False
+        return True
+
+    ws = " \n\t "[:MAX_JSON_WHITESPACE]
+    assert accepts('{"a":1}') and accepts(f'{{{ws}"a"{ws}:{ws}1{ws}}}')
+    assert not accepts(' {"a":1}') and not accepts('{"a":1}\n')  # none around the value
+    assert not accepts('{"a":' + " " * (MAX_JSON_WHITESPACE + 1) + "1}")
+    assert not accepts('{"a":1' + "\n" * (MAX_JSON_WHITESPACE + 1) + "}")
+    assert accepts('{"a": 1}', disable_any_whitespace=True)
+    assert not accepts('{"a":\n1}', disable_any_whitespace=True)
+    assert not accepts('{"a":  1}', disable_any_whitespace=True)

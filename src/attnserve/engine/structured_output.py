@@ -13,6 +13,12 @@ words, bit ``j`` of word ``i`` allowing token ``32 * i + j``), which the sampler
 logits. xgrammar's fill releases the GIL. A preempted request keeps its
 output tokens and so its matcher state; a token dropped by a failed step was never accepted.
 
+JSON (a schema, ``json_object``, the tool-call schemas) allows whitespace between its tokens,
+but at most ``MAX_JSON_WHITESPACE`` characters in each gap (xgrammar's ``max_whitespace_cnt``):
+with unbounded whitespace a small model at temperature 0 can write newlines until
+``max_tokens``. ``disable_any_whitespace`` (vLLM's option) allows none beyond the one-line
+separators ``", "`` and ``": "`` (xgrammar's ``any_whitespace=False``).
+
 Not here: applying the bitmask (``layers/sampler.py``), the request's life cycle
 (``engine/engine.py``). xgrammar is imported on first use; without it, a structured request
 is refused with the command that installs it.
@@ -32,10 +38,15 @@ import torch
 from attnserve.sampling_params import StructuredOutputsParams
 from attnserve.tokenizer import ByteTokenizer, FastTokenizer, Tokenizer
 
-__all__ = ["RequestGrammar", "StructuredOutputManager", "choice_grammar"]
+__all__ = ["MAX_JSON_WHITESPACE", "RequestGrammar", "StructuredOutputManager", "choice_grammar"]
 
 _INSTALL_HINT = "structured output needs xgrammar: pip install 'attnserve[structured]'"
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[12:00:00] /path/file.cc:123: "
+# The most whitespace characters JSON output may put in one gap between its tokens (after "{",
+# around ":" and ",", before "}"...): room for a newline and an indent of one, and a bound on
+# what a model that prefers whitespace can waste (the shipped demo models at temperature 0 fill
+# every gap they are allowed).
+MAX_JSON_WHITESPACE = 2
 
 
 def _xgrammar():
@@ -68,6 +79,14 @@ def _tokenizer_info(xgr, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: 
         encoded = [bytes([i]) if i < 256 else b"" for i in range(vocab_size)]
         return xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
     raise ValueError(f"structured output does not support a {type(tokenizer).__name__}")
+
+
+def _json_whitespace(params: StructuredOutputsParams) -> dict[str, Any]:
+    """xgrammar's whitespace options for a JSON constraint: bounded gaps, or none with
+    ``disable_any_whitespace``."""
+    if params.disable_any_whitespace:
+        return {"any_whitespace": False}
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
 def _clean(exc: BaseException) -> str:
@@ -154,12 +173,9 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         kind = params.kind
         try:
-            if kind == "json":
-                compiled = compiler.compile_json_schema(
-                    params.schema_text(), any_whitespace=not params.disable_any_whitespace)
-            elif kind == "json_object":
-                compiled = compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+            if kind in ("json", "json_object"):
+                schema = params.schema_text() if kind == "json" else '{"type": "object"}'
+                compiled = compiler.compile_json_schema(schema, **_json_whitespace(params))
             elif kind == "regex":
                 compiled = compiler.compile_regex(params.regex)
             elif kind == "choice":
