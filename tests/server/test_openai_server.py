@@ -38,6 +38,11 @@ def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert httpx.get(server.base_url + "/health").status_code == 200
+    # one model by its id (vLLM's /v1/models/{id}), and an OpenAI 404 for another
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.model_dump() == models.data[0].model_dump()
+    r = httpx.get(server.base_url + "/v1/models/org/other", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_completions_match_offline(client, reference):
@@ -216,6 +221,7 @@ def test_metrics_count_requests_and_prefix_hits(client, server):
         return r.text
 
     before = scrape()
+    assert "_created" not in before  # as vLLM: no creation-time series beside the counters
     prompt = list(range(100, 164))  # four full blocks: the second request hits the cache
     for _ in range(2):
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0.0)

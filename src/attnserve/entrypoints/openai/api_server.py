@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, errors, the API key, and ``attnserve serve``.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events),
-``/v1/models``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/version``, ``/metrics``
+``/v1/models`` and ``/v1/models/{id}``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/version``, ``/metrics``
 (Prometheus), and the probes ``/health`` (GET or HEAD) and ``/ping`` (GET, POST or HEAD, as
 vLLM and SageMaker have it), the only routes the API key does not guard. Request fields the
 server does not know are ignored with a warning naming them (``protocol.py`` says which are
@@ -326,12 +326,17 @@ def build_app(
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def card() -> ModelCard:
+        return ModelCard(id=served_model_name, root=engine.model, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(
-            id=served_model_name, root=engine.model, max_model_len=engine.max_model_len
-        )
-        return _json(ModelList(data=[card]))
+        return _json(ModelList(data=[card()]))
+
+    @app.get("/v1/models/{model_id:path}")  # :path: served names may hold a slash (org/name)
+    async def model(model_id: str) -> Response:
+        _check_model(model_id, served_model_name)
+        return _json(card())
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:

@@ -30,6 +30,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -77,6 +78,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str = "", engine_stats: Callable[[], EngineStats] | None = None,
                  max_model_len: int = 1 << 20, cache_info: dict[str, str] | None = None):
+        disable_created_metrics()  # as vLLM: no `_created` series beside each counter and histogram
         self.registry = reg = CollectorRegistry()
         self.model_name = model_name
         m = ["model_name"]
