@@ -43,6 +43,12 @@ def test_models_and_health(client, server):
     assert card.id == MODEL_NAME and card.model_dump() == models.data[0].model_dump()
     r = httpx.get(server.base_url + "/v1/models/org/other", headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # a request without "model" is for the served model, as in vLLM
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})):
+        r = httpx.post(server.base_url + path, json=body, headers=auth, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == MODEL_NAME, r.text
 
 
 def test_completions_match_offline(client, reference):

@@ -45,7 +45,7 @@ def _assert_error(
 
 
 COMPLETION_CASES = [  # (body, status, param)
-    ({"prompt": "x"}, 400, "model"),
+    ({"model": 7, "prompt": "x"}, 400, "model"),  # left out it is the served model (vLLM); not a string: a 400
     ({"model": MODEL_NAME}, 400, "prompt"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ({"model": MODEL_NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),

@@ -214,8 +214,9 @@ async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[s
     )
 
 
-def _check_model(name: str, served: str) -> None:
-    if name != served:
+def _check_model(name: str | None, served: str) -> None:
+    """A request's ``model`` must name the served model; None (left out) means it, as in vLLM."""
+    if name is not None and name != served:
         raise OpenAIError(
             f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found"
         )
@@ -354,8 +355,7 @@ def build_app(
     async def tokenize(request: Request) -> Response:
         body = await _json_body(request, limits)
         req = await _validated(request, body, TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest)
-        if req.model is not None:
-            _check_model(req.model, served_model_name)
+        _check_model(req.model, served_model_name)
         tok = engine.tokenizer
         if tok is None and not isinstance(req, TokenizeChatRequest):
             raise OpenAIError("this model has no tokenizer", param="prompt")
@@ -372,8 +372,7 @@ def build_app(
     @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         req = await _parse(request, DetokenizeRequest, limits)
-        if req.model is not None:
-            _check_model(req.model, served_model_name)
+        _check_model(req.model, served_model_name)
         if engine.tokenizer is None:
             raise OpenAIError("this model has no tokenizer", param="tokens")
 

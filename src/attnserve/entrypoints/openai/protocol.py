@@ -207,7 +207,7 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields both endpoints share (OpenAI's, then vLLM's extensions)."""
 
-    model: str
+    model: str | None = None  # None: the served model, as vLLM takes a request without one
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
