@@ -268,6 +268,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if fused:
         try:
             result = _fused_lse(q, k, v, scale, causal)
+        except torch.OutOfMemoryError:  # a memory failure is the plan's to answer, not a fallback's
+            raise
         except (RuntimeError, NotImplementedError):  # a shape or dtype the kernels do not take
             result = None
         if result is not None:
