@@ -563,6 +563,11 @@ VARIANTS: tuple[KernelVariant, ...] = (
     _v("indexer.topk_prefill", "torch", "torch", _TRITON_SPARSE | _TORCH_SPARSE, _ANY,
        "torch.topk over full-width rows (faster than the radix select there: H200, 512 rows of 32K, "
        "260 against 470 us)"),
+    _v("indexer.topk_prefill", "triton_twopass", "triton", _TRITON_SPARSE, {"cuda": ((8, 0), None)},
+       "topk_rows_twopass over each prefill row up to its causal length (position + 1), half a causal "
+       "chunk's full-width read (ops/indexer/topk_twopass.py). Not yet timed on a GPU: after torch until it "
+       "is (disabled_kernels=('torch',) picks it)",
+       launch="attnserve.ops.indexer.topk_twopass:topk_rows_twopass"),
     # NSA
     _v("nsa.attention", "torch", "torch", frozenset({"TORCH_NSA"}), _ANY,
        "the three branches as masked dense attention (attention/backends/torch_nsa.py)"),

@@ -11,7 +11,8 @@ docstring defines the two calls a sparse layer makes:
    the Gluon kernel, ``ops/indexer/logits_gluon``) and selected by ``indexer.topk_decode``'s
    radix select (``ops/indexer/topk_triton.py``, reading each row only up to its length);
    prefills one request at a time, in query chunks that bound the [Q, S] logits, scored by
-   ``indexer.prefill`` (the tiled kernel) and selected by ``torch.topk``. Rows that see at most
+   ``indexer.prefill`` (the tiled kernel) and selected by the plan's ``indexer.topk_prefill``
+   (``torch.topk``, or the two-pass Triton select over each row's causal length). Rows that see at most
    ``topk`` keys select all of them without scoring, in position order (the selection is a
    set: attention does not depend on its order).
 2. ``forward(..., topk_indices=...)``: stores the new latent rows, absorbs the queries and runs
@@ -136,14 +137,16 @@ class TritonMLASparseBackend(AttentionBackend):
             )  # fmt: skip
         if md.prefills:
             prefill_logits = self.launch("indexer.prefill", problem)
-            self.kernel("indexer.topk_prefill", problem)  # torch.topk, inside lightning_indexer_topk
+            # the torch variant (torch.topk) runs inside lightning_indexer_topk: no launch function
+            picked = self.kernel("indexer.topk_prefill", problem)
+            prefill_select = self.launch("indexer.topk_prefill", problem) if picked.launch else None
         for start, end, req, seq_len in md.prefills:
             table, lens = md.block_table[req : req + 1], md.seq_lens[req : req + 1]
             for a, b in _chunks(start, end, seq_len):
                 qsl = to_device(torch.tensor([0, b - a], dtype=torch.int32), q.device)
                 out[a:b] = lightning_indexer_topk(
                     q[a:b], weights[a:b], cache, table, qsl, lens, md.positions[a:b], topk=topk,
-                    max_query_len=b - a, max_seq_len=seq_len, logits=prefill_logits,
+                    max_query_len=b - a, max_seq_len=seq_len, logits=prefill_logits, select=prefill_select,
                 )  # fmt: skip
         return out
 

@@ -452,12 +452,14 @@ def lightning_indexer_topk(
         config: launch shape of ``indexer_logits`` (only with the default ``logits``).
         logits: the scores' launch, ``indexer_logits``' call (the plan's ``indexer.decode`` or
             ``indexer.prefill`` variant); default ``indexer_logits``.
-        select: decode rows' top-k, ``topk_rows``' call (``indexer.topk_decode``); default
-            ``topk_rows``.
+        select: the rows' top-k, ``topk_rows``' contract (``indexer.topk_decode``, or
+            ``indexer.topk_prefill``'s Triton variant); default ``topk_rows`` for a decode batch,
+            ``torch.topk`` over the full-width rows for a prefill. A prefill row's length is
+            its position + 1 (causal).
     Returns:
-        [T, topk] int32 absolute positions, -1 in unused slots; a set: decode rows come in
-        increasing order (``topk_rows``), prefill rows best first (``torch.topk``); when
-        ``max_seq_len <= topk`` every visible key is selected without scoring. No host
+        [T, topk] int32 absolute positions, -1 in unused slots; a set: rows that ``select``
+        picks come in increasing order, prefill rows without it best first (``torch.topk``);
+        when ``max_seq_len <= topk`` every visible key is selected without scoring. No host
         synchronisation: a decode batch can be captured in a CUDA graph.
     """
     if max_seq_len <= topk:  # every visible key makes the cut: no scores needed
@@ -482,8 +484,10 @@ def lightning_indexer_topk(
         fill_hidden=not decode, **extra,
     )
     # fmt: on
-    if not decode:  # many full-width rows: torch.topk's multi-block select is faster there
-        return topk_from_logits(scores, topk)
+    if not decode:
+        if select is None:  # many full-width rows: torch.topk's multi-block select (H200-timed)
+            return topk_from_logits(scores, topk)
+        return select(scores, positions + 1, topk)  # causal: a row reads only up to its own position
     # decode rows read only up to their own length (a CUDA graph's width is max_model_len);
     # one request per row, and a decode token is its request's last position
     return (select or topk_rows)(scores, torch.minimum(positions + 1, seq_lens.to(positions.dtype)), topk)
