@@ -1,11 +1,14 @@
 """Engine configuration: frozen dataclasses, composed (not inherited) into ``EngineConfig``.
 
 Configuration is data: this module imports nothing of the engine. ``EngineConfig.from_kwargs``
-takes the same keywords as ``LLM(...)`` and the command line (vLLM's names, with underscores).
+takes the same keywords as ``LLM(...)`` and the command line (vLLM's names, with underscores),
+and vLLM's options that attnserve has no use for (``VLLM_ONLY_OPTIONS``): accepted with one log
+line where they change nothing, refused with the reason where they ask for what it does not do.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -22,9 +25,15 @@ __all__ = [
     "ParallelConfig",
     "SchedulerConfig",
     "USAGE_CONTEXTS",
+    "QUANTIZATION_METHODS",
+    "VLLM_ONLY_OPTIONS",
+    "VllmOnlyOption",
 ]
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names of two of them
 # the cache dtype names (kvcache/spec.py maps each to a storage dtype)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32",
                    "float")
@@ -83,9 +92,15 @@ class ModelConfig:
     enforce_eager: bool = False  # no CUDA graphs
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask; -1: no cap
     check_weights_finite: bool = True  # NaN/Inf in the loaded weights is an error (one pass on the device)
+    # vLLM's quantization: the checkpoint's quant_method, checked against its config.json (None: any)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check_str("model", self.model, optional=False)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported: attnserve loads checkpoints "
+                             f"quantised with {', '.join(QUANTIZATION_METHODS)} (their quantization_config "
+                             "names the method; the option may be left out), dequantised to the model dtype")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got '{self.dtype}'")
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -222,6 +237,77 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VllmOnlyOption:
+    """An option of vLLM's engine that attnserve takes only so that vLLM's command lines and
+    ``LLM(...)`` calls run unchanged: a value in ``accepted`` (None: any value of ``kind``) is
+    taken and changes nothing (``no_effect`` says why, in one log line; None: nothing to say,
+    it asks for what attnserve does anyway); any other value is refused with ``refused``."""
+
+    kind: type | tuple[type, ...]
+    no_effect: str | None = None
+    accepted: tuple[Any, ...] | None = None
+    refused: str = ""
+
+
+VLLM_ONLY_OPTIONS = {
+    "trust_remote_code": VllmOnlyOption(
+        bool, "attnserve runs its own model and tokenizer code, never code that comes with a checkpoint"),
+    "tokenizer_mode": VllmOnlyOption(
+        str, "attnserve reads the model's tokenizer.json with the tokenizers library", accepted=("auto", "hf"),
+        refused="not supported: attnserve has only the tokenizer.json (tokenizers library) tokenizer, no "
+                "slow, mistral or custom ones; use tokenizer_mode auto"),
+    "swap_space": VllmOnlyOption(
+        (int, float), "a preempted request is recomputed, not swapped to host memory (kv_offloading_size "
+        "keeps evicted prefix blocks in host memory)"),
+    "max_seq_len_to_capture": VllmOnlyOption(
+        int, "attnserve's CUDA graphs serve decode steps of every context length up to max_model_len"),
+    "compilation_config": VllmOnlyOption(
+        (str, int, dict), "attnserve does not torch.compile the model; CUDA graphs of decode steps are on "
+        "unless enforce_eager"),
+    "disable_custom_all_reduce": VllmOnlyOption(
+        bool, "tensor parallelism all-reduces through torch.distributed (NCCL) only"),
+    "distributed_executor_backend": VllmOnlyOption(
+        str, "attnserve starts the processes of tensor-parallel ranks itself", accepted=("mp", "uni"),
+        refused="not supported: attnserve runs tensor-parallel ranks as processes of its own (mp), or "
+                "under torchrun with `python -m attnserve.entrypoints.torchrun` (docs/tensor_parallel.md)"),
+    "disable_log_stats": VllmOnlyOption(
+        bool, "the LLM class logs no throughput lines (the server's: attnserve serve --disable-log-stats)"),
+    "pipeline_parallel_size": VllmOnlyOption(
+        int, accepted=(1,), refused="pipeline parallelism is not implemented; split a model over GPUs "
+                                    "with tensor_parallel_size"),
+    "data_parallel_size": VllmOnlyOption(
+        int, accepted=(1,), refused="data parallelism is not implemented; run one engine per replica "
+                                    "(servers behind a load balancer)"),
+    "speculative_config": VllmOnlyOption(
+        (str, dict), accepted=(), refused="speculative decoding is not implemented"),
+    "enable_lora": VllmOnlyOption(bool, accepted=(False,), refused="LoRA adapters are not supported"),
+}
+# quantization's values: the quant_method of a checkpoint attnserve loads (models/quantized.py)
+QUANTIZATION_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "mxfp4")
+
+
+def _take_vllm_only_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``kwargs`` without ``VLLM_ONLY_OPTIONS``, and a log line for each one given (not None) that
+    changes nothing; a value refused is a ValueError naming the option, with the reason."""
+    rest, notes = {}, []
+    for key, value in kwargs.items():
+        option = VLLM_ONLY_OPTIONS.get(key)
+        if option is None:
+            rest[key] = value
+            continue
+        if value is None:
+            continue
+        if isinstance(value, bool) != (option.kind is bool) or not isinstance(value, option.kind):
+            kinds = option.kind if isinstance(option.kind, tuple) else (option.kind,)
+            raise ValueError(f"{key} must be a {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+        if option.accepted is not None and value not in option.accepted:
+            raise ValueError(f"{key}={value!r}: {option.refused}")
+        if option.no_effect is not None:
+            notes.append(f"{key}={value!r} (a vLLM option) changes nothing here: {option.no_effect}")
+    return rest, notes
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -236,8 +322,13 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, *, usage_context: str = "llm", **kwargs: Any) -> EngineConfig:
-        """Route flat keywords (``LLM(...)`` / CLI names) to the sub-configs; unknown ones fail.
-        ``usage_context`` is the builder's (``LLM``: "llm", the server: "server"), not a user's."""
+        """Route flat keywords (``LLM(...)`` / CLI names) to the sub-configs; unknown ones fail
+        (TypeError), vLLM's options attnserve has no use for are logged or refused
+        (``VLLM_ONLY_OPTIONS``). ``usage_context`` is the builder's (``LLM``: "llm", the server:
+        "server"), not a user's."""
+        kwargs, notes = _take_vllm_only_options(kwargs)
+        if kwargs.get("dtype") in _DTYPE_ALIASES:
+            kwargs["dtype"] = _DTYPE_ALIASES[kwargs["dtype"]]
         parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}}
         owners = {}
         for sub in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, OffloadConfig):
@@ -249,7 +340,7 @@ class EngineConfig:
             if value is None and key != "max_model_len":
                 continue
             parts.setdefault(owners[key], {})[key] = value
-        return cls(
+        config = cls(
             model=ModelConfig(**parts[ModelConfig]),
             cache=CacheConfig(**parts.get(CacheConfig, {})),
             scheduler=SchedulerConfig(**parts.get(SchedulerConfig, {})),
@@ -257,3 +348,6 @@ class EngineConfig:
             offload=OffloadConfig(**parts.get(OffloadConfig, {})),
             usage_context=usage_context,
         )
+        for note in notes:  # once the whole config is valid
+            logger.info("%s", note)
+        return config

@@ -20,6 +20,11 @@ text up to a final cut is released, U+FFFD included, and the window restarts the
 of undecodable ids (random weights) costs a short window per step, not the whole output.
 Without byte knowledge the held tail waits for a character that decodes (always correct).
 
+``SamplingParams.spaces_between_special_tokens`` (vLLM's) is not read here: transformers
+applies it only in its slow tokenizers, by joining the text of added tokens and the text between
+them with spaces; the tokenizers here decode as transformers' fast tokenizers do, which ignore it
+(as vLLM's fast detokenizer does), so either value gives the same text.
+
 Not here: stop strings and their truncation (the engine checks them on ``output_text``), and
 prompt text (the output text is defined without the prompt as context, so for SentencePiece-style
 tokenizers it does not start with the space that vLLM keeps).

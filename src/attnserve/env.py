@@ -12,6 +12,8 @@ import os
 __all__ = [
     "ATTNSERVE_VARIABLES",
     "api_key",
+    "cache_root",
+    "configure_logging",
     "cpu_isa",
     "cpu_threads",
     "disable_nccl_multicast",
@@ -30,7 +32,9 @@ ATTNSERVE_VARIABLES = {
     "ATTNSERVE_MLA_DISABLE": "run MLA models with an expanded K/V cache",
     "ATTNSERVE_ENGINE_PROFILE": "a file for the engine process's cProfile stats",
     "ATTNSERVE_API_KEY": "the server's API key when --api-key is not given",
-    "ATTNSERVE_LOG_LEVEL": "the command line's log level",
+    "ATTNSERVE_LOGGING_LEVEL": "the level of the attnserve logger (default INFO)",
+    "ATTNSERVE_LOG_LEVEL": "the older name of ATTNSERVE_LOGGING_LEVEL",
+    "ATTNSERVE_CONFIGURE_LOGGING": "0: attnserve installs no log handler, the application configures logging",
     "ATTNSERVE_LOG_STATS_INTERVAL": "seconds between the server's throughput lines",
     "ATTNSERVE_PLATFORM": "override platform detection",
     "ATTNSERVE_CPU_THREADS": "torch's intra-op threads on CPU",
@@ -65,10 +69,37 @@ def api_key() -> str | None:
     return os.environ.get("ATTNSERVE_API_KEY") or None
 
 
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def log_level() -> str:
-    """``ATTNSERVE_LOG_LEVEL``: the level of attnserve's log on the command line (DEBUG, INFO,
-    WARNING, ERROR; default INFO)."""
-    return os.environ.get("ATTNSERVE_LOG_LEVEL", "").strip().upper() or "INFO"
+    """``ATTNSERVE_LOGGING_LEVEL`` (or its older name ``ATTNSERVE_LOG_LEVEL``): the level of the
+    ``attnserve`` logger (DEBUG, INFO, WARNING, ERROR, CRITICAL; default INFO).
+
+    Raises:
+        ValueError: a value that names no level (the message names the variable).
+    """
+    for name, value in (("ATTNSERVE_LOGGING_LEVEL", os.environ.get("ATTNSERVE_LOGGING_LEVEL", "")),
+                        ("ATTNSERVE_LOG_LEVEL", os.environ.get("ATTNSERVE_LOG_LEVEL", ""))):
+        value = value.strip().upper()
+        if value:
+            if value not in _LEVELS:
+                raise ValueError(f"{name} must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got '{value}'")
+            return value
+    return "INFO"
+
+
+def configure_logging() -> bool:
+    """``ATTNSERVE_CONFIGURE_LOGGING`` (default 1): whether attnserve configures its logger
+    (``logger.py``); 0 leaves logging to the application, as vLLM's ``VLLM_CONFIGURE_LOGGING``."""
+    return os.environ.get("ATTNSERVE_CONFIGURE_LOGGING", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_root() -> str:
+    """attnserve's own cache directory: ``$XDG_CACHE_HOME/attnserve``, by default
+    ``~/.cache/attnserve`` (the CPU decode kernel's builds, ``ops/cpu/paged_decode.py``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.expanduser(base), "attnserve")
 
 
 def log_stats_interval() -> float:

@@ -116,7 +116,7 @@ def resolve_hub_file(repo_id: str, filename: str, revision: str | None = None) -
     Raises:
         FileNotFoundError: as ``resolve_hub_model``.
     """
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = env.hf_hub_cache()
@@ -127,7 +127,12 @@ def resolve_hub_file(repo_id: str, filename: str, revision: str | None = None) -
         pass
     if env.hf_hub_offline():
         raise _offline_error(repo_id, revision, cache, filename)
+    # snapshot_download asks the hub once and fails at once when it is unreachable, where
+    # hf_hub_download retries a network error five times (26 s) before it gives up
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache))
+        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=[filename]))
     except Exception as exc:  # noqa: BLE001 - as in resolve_hub_model
         raise _download_error(repo_id, revision, cache, exc) from exc
+    if not (path / filename).is_file():
+        raise FileNotFoundError(f"model {_describe(repo_id, revision)}: the repository has no {filename}")
+    return path / filename

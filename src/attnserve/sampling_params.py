@@ -144,6 +144,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (plus the sampled one)
     prompt_logprobs: int | None = None  # top-k per prompt position (plus the prompt token)
     skip_special_tokens: bool = True
+    # vLLM's: a space between special tokens and the text around them when they are shown.
+    # transformers honours it only in its slow (pure Python) tokenizers; attnserve's are
+    # tokenizers-library and byte tokenizers, whose decode has no such option (transformers'
+    # fast decode and vLLM's fast detokenizer ignore it too), so it changes no text here
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
@@ -215,7 +220,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value):
                 bad(f"{name} must be a finite number, got {value!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         integer("n", 1)

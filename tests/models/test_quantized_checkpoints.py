@@ -24,8 +24,7 @@ format's), and its logprobs match attnserve's within 1e-4 with the same greedy t
 The shipped DeepSeek-V3/V3.2 and gpt-oss-20b configs are accepted, and a multimodal wrapper's
 ``quantization_config`` reaches ``ModelArch``.
 
-Errors: an unsupported quant_method, per-tensor fp8 and static activation scales fail when the
-engine is configured, before any weight is read (the directories hold an unreadable weights
+Errors: an unsupported quant_method or fp8 variant fails when the engine is configured, before any weight is read (the directories hold an unreadable weights
 file); ``load_format="dummy"`` ignores quantisation; scales that do not fit their weight and
 tensors left without their partner fail at load, naming the tensors.
 """
@@ -364,10 +363,10 @@ def _with_config(src: Path, dst: Path, quantization_config: dict | None, weights
 
 @pytest.mark.parametrize(("qc", "expected"), [
     ({"quant_method": "awq", "bits": 4}, ["quant_method 'awq' is not supported", "fp8", "mxfp4"]),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, ["per-tensor fp8", "weight_block_size"]),
+    ({"quant_method": "gptq", "bits": 4}, ["quant_method 'gptq' is not supported", "compressed-tensors"]),
     ({"quant_method": "fp8", "weight_block_size": [128]}, ["weight_block_size must be two positive integers"]),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
-     ["activation_scheme 'static' is not supported"]),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e4m3"},
+     ["scale_fmt 'e4m3' is not supported"]),
 ])
 def test_unsupported_config_fails_before_reading_weights(v3, tmp_path, qc, expected):
     path = _with_config(v3[0], tmp_path / "bad", qc)

@@ -43,7 +43,7 @@ def test_serve_defaults_to_loopback_and_the_demo_model():
         "some/dir",
         9,
         "k",
-        "n",
+        ["n"],  # several names may follow, as in vLLM
         4,
     )
 

@@ -54,7 +54,7 @@ TYPED = {  # plausible values of each field's own type, so that valid draws happ
     "ignore_eos": st.booleans(), "max_tokens": st.one_of(st.none(), st.integers(-2, 40), big_ints),
     "min_tokens": st.integers(-2, 40), "logprobs": st.one_of(st.none(), st.integers(-1, 30)),
     "prompt_logprobs": st.one_of(st.none(), st.integers(-1, 30)), "skip_special_tokens": st.booleans(),
-    "detokenize": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(), "detokenize": st.booleans(),
     "logit_bias": st.dictionaries(st.one_of(st.integers(-5, 10**20), st.text(max_size=6)),
                                   st.one_of(floats, big_ints), max_size=3),
     "allowed_token_ids": token_ids, "bad_words": st.lists(odd_text, max_size=4),

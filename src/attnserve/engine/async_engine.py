@@ -40,6 +40,7 @@ from attnserve.engine.engine_client import (
     put_all,
     stream_outputs,
 )
+from attnserve.engine.warm_up import warm_up as warm_up_engine
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 
@@ -162,6 +163,13 @@ class AsyncLLMEngine:
             return
         self._thread = threading.Thread(target=self._run, name="attnserve-engine", daemon=True)
         self._thread.start()
+
+    def warm_up(self) -> None:
+        """Run the warm-up (``warm_up.py``: every step shape and sampling path once, no trace
+        left) on the engine thread, started if it is not, and wait for it: a server's start-up
+        does this before it answers ``/health``."""
+        self.start()
+        self.call(warm_up_engine).result()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running end with ``EngineDeadError``."""
@@ -336,6 +344,7 @@ class AsyncLLMEngine:
             generation_tokens=engine.num_generation_tokens,
             step_seconds=engine.step_seconds,
             device_wait_seconds=engine.runner.device_wait_seconds,
+            iteration_tokens=tuple(engine.iteration_token_counts),
         )
 
     def _fail_pending(self, error: BaseException) -> None:

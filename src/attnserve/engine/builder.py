@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from platform import machine as host_machine
@@ -34,7 +35,7 @@ from attnserve.kvcache.offload import DiskTier, HostTier, OffloadManager
 from attnserve.kvcache.spec import CachePolicy
 from attnserve.kvcache.state import StatePool
 from attnserve.layers.moe import FusedExperts
-from attnserve.models.quantized import QuantScheme, dequantized_weights
+from attnserve.models.quantized import QuantScheme, check_quantization_option, dequantized_weights
 from attnserve.models.registry import get_model_class
 from attnserve.models.weights import check_finite_weights, dummy_init, iter_safetensors
 from attnserve.platforms import Platform, current_platform, get_platform
@@ -222,6 +223,7 @@ def build_engine_parts(config: EngineConfig, parallel: ParallelState | None = No
     arch = read_arch(load_hf_config(model_dir), use_mla=not env.mla_disabled())
     if config.model.load_format != "dummy":  # an unsupported checkpoint format fails before any weight is read
         QuantScheme.from_config(arch.quantization_config)
+        check_quantization_option(config.model.quantization, arch.quantization_config)
     check_host_latents(config, arch)
     parallel, workers = _start_parallel(config, arch, parallel)
     try:
@@ -267,8 +269,10 @@ def _build_parts(config: EngineConfig, model_dir: Path, arch: ModelArch, paralle
                                      config.scheduler.max_num_seqs)  # None unless kv_offload_sparse_latents
     backends = wrap_backends(host_latents, groups, backends, device)
 
+    start = time.perf_counter()
     with model_kernels(plan.model_kernel_names()):  # the dense and MoE layers read their variants
         model = _build_model(arch, model_dir, config, device, _TORCH_DTYPES[plan.dtype])
+    _log_weights(config, arch, model_dir, model, time.perf_counter() - start)
     if parallel is not None:  # every rank loaded the whole checkpoint: keep this rank's shard
         shard_model(model, parallel)
     num_blocks, state_pool, limits = _size_cache(plan, config, limits, model, backends, device, parallel,
@@ -424,6 +428,19 @@ def _build_model(arch: ModelArch, model_dir: Path, config: EngineConfig, device:
     if config.model.check_weights_finite:
         check_finite_weights(model, model_dir)
     return model.eval()
+
+
+def _log_weights(config: EngineConfig, arch: ModelArch, model_dir: Path, model: torch.nn.Module,
+                 seconds: float) -> None:
+    """The start-up line of the model's weights: its architecture, where from, their size."""
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    fmt = config.model.load_format
+    random = fmt == "dummy" or (fmt == "auto" and _is_weightless_preset(model_dir))
+    where = "" if Path(config.model.model).expanduser().resolve() == model_dir.resolve() else f" from {model_dir}"
+    logger.info("weights: %s (%s)%s, %s, %s in %.1f s", config.model.model,
+                ", ".join(arch.architectures) or arch.model_type, where,
+                f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB",
+                "random" if random else "loaded", seconds)
 
 
 def _is_weightless_preset(model_dir: Path) -> bool:

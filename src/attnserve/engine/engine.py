@@ -26,6 +26,7 @@ next mask, so with async scheduling its step's sampling waits for the step befor
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -44,9 +45,12 @@ from attnserve.outputs import RequestOutput
 from attnserve.runner.model_runner import StepHandle
 from attnserve.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine", "PromptError", "check_params_for_model", "truncate_prompt_ids"]
+__all__ = ["ITERATION_TOKEN_BUCKETS", "LLMEngine", "PromptError", "check_params_for_model",
+           "truncate_prompt_ids"]
 
 logger = logging.getLogger(__name__)
+# the upper bounds of vLLM's vllm:iteration_tokens_total buckets (tokens per engine step)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class PromptError(ValueError):
@@ -84,6 +88,10 @@ class LLMEngine:
         # token (prefix-cache hits included, as vLLM counts them), and tokens sampled
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # steps by the tokens they added to those two counts (vLLM's iteration tokens): [i] counts
+        # those with ITERATION_TOKEN_BUCKETS[i - 1] < tokens <= ITERATION_TOKEN_BUCKETS[i]; the
+        # last, those above every bucket
+        self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.step_seconds = 0.0  # wall time inside ``step`` (the host's work plus its waits)
         if logger.isEnabledFor(logging.INFO):
             for line in self.startup_summary():
@@ -455,6 +463,7 @@ class LLMEngine:
                     self._output_failed(c, exc)
                     touched[state.request_id] = state
         progressed = self.scheduler.update(sched_out, run_out.sampled)
+        counted = self.num_prompt_tokens + self.num_generation_tokens
         self.num_generation_tokens += len(progressed)
         for req in progressed:
             state, c = self._child_to_state[req.request_id]
@@ -473,6 +482,8 @@ class LLMEngine:
                     state.finish(c)
             except Exception as exc:  # noqa: BLE001 - contained: this request alone fails
                 self._output_failed(c, exc)
+        step_tokens = self.num_prompt_tokens + self.num_generation_tokens - counted
+        self.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, step_tokens)] += 1
         outputs = []
         for rid, state in touched.items():
             finished = state.finished

@@ -56,6 +56,7 @@ class EngineStats:
     generation_tokens: int = 0  # tokens sampled
     step_seconds: float = 0.0  # wall time inside the engine's steps
     device_wait_seconds: float = 0.0  # of that, blocked on the device (CUDA: the host ran ahead)
+    iteration_tokens: tuple[int, ...] = ()  # steps per bucket of their tokens (LLMEngine.iteration_token_counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,8 @@ class EngineClient(Protocol):
     def error(self) -> BaseException | None: ...
 
     def start(self) -> None: ...
+
+    def warm_up(self) -> None: ...  # every step shape once, before the server answers /health
 
     def shutdown(self, timeout: float = 10.0) -> None: ...
 

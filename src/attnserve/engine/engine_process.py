@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -62,6 +63,8 @@ from attnserve.engine.engine_client import (
 )
 from attnserve.engine.output_deltas import OutputAssembler, RequestDelta, merge_deltas
 from attnserve.engine.structured_output import StructuredOutputManager
+from attnserve.engine.warm_up import warm_up
+from attnserve.logger import AttnserveHandler, capture_warnings
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 from attnserve.tokenizer import load_tokenizer
@@ -275,25 +278,45 @@ def _outcome(future: concurrent.futures.Future) -> tuple[bool, Any]:
         return False, _portable(e)
 
 
-def _configure_logging(setup: tuple[int, list[tuple[str | None, str | None]]]) -> None:
-    """Log as the frontend does: attnserve's level and its stderr handlers' formats."""
-    level, formats = setup
+@dataclass(frozen=True, slots=True)
+class _LogSetup:
+    """The frontend's ``attnserve`` logger, for the engine process to log as it does (its import
+    configured the logger from the same environment, but the frontend may have changed it since)."""
+
+    level: int
+    propagate: bool
+    handler: bool  # attnserve's own stderr handler (logger.py) is on
+    formats: list[tuple[str | None, str | None]]  # other stderr handlers' (format, date format)
+    warnings: bool  # Python's warnings go through logging (logger.capture_warnings)
+
+
+def _configure_logging(setup: _LogSetup) -> None:
+    """Log as the frontend does: attnserve's level, handlers and propagation, and its warnings."""
     log = logging.getLogger("attnserve")
-    log.setLevel(level)
-    for fmt, datefmt in formats:
+    log.handlers[:] = [h for h in log.handlers if not isinstance(h, AttnserveHandler)]
+    if setup.handler:
+        log.addHandler(AttnserveHandler())
+    log.setLevel(setup.level)
+    log.propagate = setup.propagate
+    for fmt, datefmt in setup.formats:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(fmt, datefmt))
         log.addHandler(handler)
+    if setup.warnings:
+        capture_warnings()
 
 
-def _logging_setup() -> tuple[int, list[tuple[str | None, str | None]]]:
+def _logging_setup() -> _LogSetup:
     log = logging.getLogger("attnserve")
     formats = [(h.formatter._fmt if h.formatter else None, h.formatter.datefmt if h.formatter else None)
-               for h in log.handlers if isinstance(h, logging.StreamHandler) and h.stream is sys.stderr]
-    return log.getEffectiveLevel(), formats
+               for h in log.handlers if isinstance(h, logging.StreamHandler) and h.stream is sys.stderr
+               and not isinstance(h, AttnserveHandler)]
+    ours = any(isinstance(h, AttnserveHandler) for h in log.handlers)
+    warnings = any(isinstance(h, AttnserveHandler) for h in logging.getLogger("py.warnings").handlers)
+    return _LogSetup(log.getEffectiveLevel(), log.propagate, ours, formats, warnings)
 
 
-def run_engine_process(config: EngineConfig, log_stats_interval: float | None, log_setup: tuple,
+def run_engine_process(config: EngineConfig, log_stats_interval: float | None, log_setup: _LogSetup,
                        commands: Any, outputs: Any) -> None:
     """The engine process's main: build, report ready (or why not), serve until stopped."""
     from attnserve.engine.engine import LLMEngine
@@ -305,10 +328,10 @@ def run_engine_process(config: EngineConfig, log_stats_interval: float | None, l
     _configure_logging(log_setup)
     try:
         engine = LLMEngine(config)
+        engine.structured.warm_up()  # as a server does before its first request (xgrammar's import)
     except BaseException as e:  # noqa: BLE001 - any start-up failure goes to the frontend
         outputs.send_bytes(_dumps(_StartupFailed(_portable(e), traceback.format_exc())))
         return
-    engine.structured.warm_up()  # as a server does before its first request (xgrammar's import)
     outbox = Outbox()
     loop = _EngineLoop(engine, log_stats_interval, outbox)
     outputs.send_bytes(_dumps(_Ready(EngineFacts.of(engine))))
@@ -418,6 +441,16 @@ class EngineProcessClient:
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         """Nothing to do: the engine process serves from the moment it is ready."""
+
+    def warm_up(self) -> None:
+        """Run the warm-up (``warm_up.py``) in the engine process, stepping as its loop does, and
+        this process's tokenizer once; wait for it. A server's start-up does this last before it
+        answers ``/health``: a warm-up before the frontend's own start-up (xgrammar's import, the
+        app) left the engine's caches cold again by the first request."""
+        done = self.call(functools.partial(warm_up, deltas=True))
+        if self.tokenizer is not None:
+            self.tokenizer.decode(self.tokenizer.encode("Hello, this is a warm-up."))
+        done.result()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine process (terminated after ``timeout`` seconds) and wait for it;

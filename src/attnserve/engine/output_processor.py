@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from attnserve.core.request import Request
+from attnserve.core.request import Request, RequestStatus
 from attnserve.core.step import TokenLogprobs
 from attnserve.detokenizer import IncrementalDetokenizer, decode_token
 from attnserve.engine.output_deltas import CompletionDelta, RequestDelta, encode_entry, text_delta
@@ -96,6 +96,11 @@ class RequestState:
             c.logprobs.append(self._to_dict(token_logprobs))
             c.cumulative_logprob = (c.cumulative_logprob or 0.0) + token_logprobs[1][0]
         if c.detok is None:
+            return None
+        if c.request.status is RequestStatus.FINISHED_STOPPED \
+                and not c.request.sampling_params.include_stop_str_in_output:
+            # the scheduler stopped on this token (EOS or stop_token_ids): as vLLM, its text is
+            # not part of the output (it is among token_ids), whatever skip_special_tokens says
             return None
         c.text += c.detok.step([token])
         return self._check_stop_strings(c)

@@ -2,15 +2,18 @@
 
 ``attnserve ...`` and ``python -m attnserve ...`` are the same command. Subcommands import
 what they need when they run, so ``inspect`` starts without loading the engine. The command
-configures attnserve's log (stderr, ``ATTNSERVE_LOG_LEVEL``, default INFO) before it runs one:
+configures attnserve's log (stderr, ``ATTNSERVE_LOGGING_LEVEL``, default INFO) before it runs one:
 the engine's start-up summary and the server's throughput lines are INFO records.
+``generate`` and ``serve`` take vLLM's ``--config FILE.yaml``, a file of flags that the command
+line overrides (``_apply_config_file``).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import json
 import sys
+from typing import Any
 
 from attnserve import __version__, env
 from attnserve.entrypoints.engine_args import (
@@ -24,44 +27,28 @@ from attnserve.entrypoints.engine_args import (
     kv_cache_dtype_arg,
     output_file_arg,
 )
+from attnserve.logger import capture_warnings
+from attnserve.logger import configure_logging as configure_package_logging
 from attnserve.platforms import PLATFORM_NAMES
 
-__all__ = ["build_parser", "configure_logging", "main"]
+__all__ = ["build_parser", "configure_logging", "generate_sampling_params", "main"]
 
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is when a record comes (not the one at creation)."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+_MODEL_HELP = "a model directory, a Hugging Face hub id (org/name) or a shipped model name"
 
 
 def configure_logging() -> None:
-    """attnserve's log on stderr at ``ATTNSERVE_LOG_LEVEL`` (default INFO); idempotent."""
-    level = env.log_level()
-    if not isinstance(logging.getLevelName(level), int):
-        raise ValueError(f"ATTNSERVE_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got '{level}'")
-    log = logging.getLogger("attnserve")
-    log.setLevel(level)
-    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
-                                               "%m-%d %H:%M:%S"))
-        log.addHandler(handler)
+    """attnserve's log as the package configures it on import (``logger.py``: stderr at
+    ``ATTNSERVE_LOGGING_LEVEL``, default INFO), again, so that a bad level is an error here, and
+    Python's warnings in the same format (the command's process is attnserve's)."""
+    configure_package_logging()
+    capture_warnings()
 
 
 def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="mechanism, KV memory and backend choice of a model, without weights")
-    p.add_argument("model", help="model directory, config.json, or a shipped config name "
-                                 "(e.g. deepseek-ai/DeepSeek-V3)")
+    p.add_argument("model", help="a model directory, its config.json, a Hugging Face hub id (org/name: "
+                                 "only its config.json is read) or a shipped config name (e.g. "
+                                 "deepseek-ai/DeepSeek-V3)")
     p.add_argument("--platform", choices=PLATFORM_NAMES, default=None, help="default: this machine")
     p.add_argument("--compute-capability", default=None, type=_capability_arg,
                    help="e.g. 9.0 (cuda/rocm without a device)")
@@ -116,6 +103,14 @@ def _tool_call_parser_arg(text: str) -> str:
     return text
 
 
+def _reasoning_parser_arg(text: str) -> str:
+    from attnserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    if text not in REASONING_PARSERS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(sorted(REASONING_PARSERS))}, got {text!r}")
+    return text
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     from attnserve import env
     from attnserve.entrypoints.inspect import build_report, dumps, plot_kv_memory
@@ -141,28 +136,47 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts (offline batch)")
-    p.add_argument("--model", default=None, help="model directory (default: the shipped demo model)")
+    p.add_argument("--model", default=None, help=f"{_MODEL_HELP} (default: the shipped demo model)")
     p.add_argument("--prompt", action="append", default=None, help="a prompt; repeat for a batch")
     p.add_argument("--prompts-file", default=None, type=existing_file_arg, help="a file with one prompt per line")
-    p.add_argument("--max-tokens", type=int_arg(1), default=32, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float_arg(0), default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float_arg(0, 1, lo_open=True), default=1.0,
-                   help="nucleus sampling: the smallest set of tokens of this total probability")
-    p.add_argument("--top-k", type=int_arg(-1), default=0,
-                   help="sample among the k likeliest tokens (0 or -1: all)")
+    # sampling: a flag given, else the model's generation_config.json, else _GENERATE_FALLBACKS
+    p.add_argument("--max-tokens", type=int_arg(1), default=None,
+                   help="tokens to generate per prompt (default: the model's max_new_tokens, else 32)")
+    p.add_argument("--temperature", type=float_arg(0), default=None,
+                   help="sampling temperature, 0: greedy (default: the model's, else 0)")
+    p.add_argument("--top-p", type=float_arg(0, 1, lo_open=True), default=None,
+                   help="nucleus sampling: the smallest set of tokens of this total probability "
+                        "(default: the model's, else 1)")
+    p.add_argument("--top-k", type=int_arg(-1), default=None,
+                   help="sample among the k likeliest tokens, 0 or -1: all (default: the model's, else all)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="with --chat: this template (a file, or the Jinja template itself) instead of "
                         "the model's own")
+    _add_config_arg(p)
     add_engine_args(p)
     p.set_defaults(func=_run_generate)
+
+
+# generate's sampling where neither a flag nor the model's generation_config.json sets it
+_GENERATE_FALLBACKS = {"max_tokens": 32, "temperature": 0.0}
+
+
+def generate_sampling_params(args: argparse.Namespace, model_defaults: dict[str, Any]):
+    """The flags given, over the model's generation_config.json defaults (``--generation-config
+    vllm``: none), over ``_GENERATE_FALLBACKS``: what the generation_config warning promises."""
+    from attnserve.sampling_params import SamplingParams
+
+    flags = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k")
+             if getattr(args, k) is not None}
+    return SamplingParams(**{**_GENERATE_FALLBACKS, **model_defaults, **flags}, ignore_eos=args.ignore_eos,
+                          seed=args.seed)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from attnserve.entrypoints.llm import LLM
     from attnserve.presets import DEFAULT_MODEL
-    from attnserve.sampling_params import SamplingParams
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -171,8 +185,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if not prompts:
         prompts = ["def fibonacci(n):"]
     llm = LLM(model=args.model or DEFAULT_MODEL, **engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, ignore_eos=args.ignore_eos, seed=args.seed)
+    params = generate_sampling_params(args, llm.llm_engine.generation_config.sampling)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1,
                         chat_template=args.chat_template)
@@ -190,15 +203,18 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, ...)")
     p.add_argument("model", nargs="?", default=None,
-                   help="model directory (default: the shipped demo model)")
+                   help=f"{_MODEL_HELP} (default: the shipped demo model)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model, as vLLM's --model: the same as the positional MODEL (default: that)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int_arg(0, 65535), default=8000, help="the port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /ping (default: "
                         "$ATTNSERVE_API_KEY, which other users of the machine cannot read in the "
                         "process list)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients ask for (default: MODEL)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may ask for; the first is the one the server reports "
+                        "(default: MODEL)")
     p.add_argument("--max-request-body-bytes", type=int_arg(1), default=16 << 20,
                    help="larger request bodies get a 413 (default: 16 MiB)")
     p.add_argument("--max-n", type=int_arg(1), default=128,
@@ -232,7 +248,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         '"auto" is refused; "required" and named functions are served either way)')
     p.add_argument("--tool-call-parser", default=None, metavar="NAME", type=_tool_call_parser_arg,
                    help="the model's tool-call format, for --enable-auto-tool-choice: hermes "
-                        "(<tool_call>{...}</tool_call>: Hermes 2 Pro/3, Qwen2.5, Qwen3) (default: none)")
+                        "(<tool_call>{...}</tool_call>: Hermes 2 Pro/3, Qwen2.5, Qwen3), llama3_json "
+                        "(Llama 3.x/4 JSON; llama4_json too), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]: "
+                        "Llama 3.2/4 pythonic), deepseek_v3, qwen3_coder (<function=...>: Qwen3-Coder, "
+                        "Qwen3.5), openai (GPT-OSS harmony) (default: none)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME", type=_reasoning_parser_arg,
+                   help="split the model's reasoning off chat outputs into reasoning_content: deepseek_r1 "
+                        "(<think>...</think>, the <think> optional: DeepSeek R1, QwQ), qwen3 (Qwen3, "
+                        "Qwen3.5: no <think> and none opened by the prompt, no reasoning), openai_gptoss "
+                        "(GPT-OSS harmony's analysis channel) (default: none)")
     p.add_argument("--max-connections", type=int_arg(1), default=4096,
                    help="the most open connections; past it a new one replaces the oldest idle one (no "
                         "request in flight), or is closed when all are busy; lowered to what the "
@@ -252,15 +276,70 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "0: at once)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="the HTTP server's log level (attnserve's own: $ATTNSERVE_LOG_LEVEL)")
+                   help="the HTTP server's log level (attnserve's own: $ATTNSERVE_LOGGING_LEVEL)")
     p.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="run the engine on a thread of the server's process (default: in a process of "
                         "its own, so HTTP and the engine's host work do not share one core)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no throughput lines in the log (default: one every "
                         "$ATTNSERVE_LOG_STATS_INTERVAL seconds, 10, while serving)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log one INFO line per request the engine starts: its id, prompt length and "
+                        "sampling params (default: off)")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=False,
+                   help="vLLM's older spelling of the default: no request lines")
+    p.add_argument("--allowed-origins", type=_json_list_arg, default=None, metavar="JSON",
+                   help='CORS: the origins whose web pages may call the API, a JSON list: \'["https://'
+                        'app.example"]\', or \'["*"]\' for every one (default: none, no CORS headers; '
+                        "vLLM's default is every origin)")
+    p.add_argument("--allowed-methods", type=_json_list_arg, default=None, metavar="JSON",
+                   help='CORS, with --allowed-origins: the methods allowed, a JSON list (default: ["*"])')
+    p.add_argument("--allowed-headers", type=_json_list_arg, default=None, metavar="JSON",
+                   help='CORS, with --allowed-origins: the request headers allowed, a JSON list '
+                        '(default: ["*"])')
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS, with --allowed-origins: pages may send cookies and Authorization "
+                        "(default: off)")
+    _add_config_arg(p)
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
+
+
+def _json_list_arg(text: str) -> list[str]:
+    """An argparse ``type``: a JSON list of strings (vLLM's CORS flags)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise argparse.ArgumentTypeError(f'must be a JSON list of strings, such as \'["*"]\', got {text!r}')
+    return value
+
+
+def _cors(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The CORS middleware's settings (starlette's ``CORSMiddleware`` keywords), or None: no CORS
+    headers, unless --allowed-origins names the origins (vLLM allows every one by default)."""
+    if args.allowed_origins is None:
+        given = [f for f, v in (("--allowed-methods", args.allowed_methods), ("--allowed-headers",
+                 args.allowed_headers), ("--allow-credentials", args.allow_credentials or None)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --allowed-origins: without it the server sends no "
+                             "CORS headers (vLLM's default origins are every one: --allowed-origins '[\"*\"]')")
+        return None
+    return {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods or ["*"],
+            "allow_headers": args.allowed_headers or ["*"], "allow_credentials": args.allow_credentials}
+
+
+def _serve_model(args: argparse.Namespace) -> str | None:
+    """The positional MODEL or vLLM's --model (None: neither); both, differing, is an error, and
+    so are several served names without a model (the names may have taken MODEL in)."""
+    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
+        raise ValueError(f"two models: '{args.model}' (positional) and --model '{args.model_flag}'; give one")
+    model = args.model or args.model_flag
+    if model is None and len(args.served_model_name or ()) > 1:
+        raise ValueError(f"--served-model-name {' '.join(args.served_model_name)} and no model: if the last "
+                         "name is the model, give it before --served-model-name (or as --model)")
+    return model
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -272,7 +351,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("attnserve serve: --enable-auto-tool-choice needs --tool-call-parser NAME "
                          "(the model's tool-call format, e.g. hermes)")
-    run_server(args.model or DEFAULT_MODEL, engine_kwargs(args), host=args.host, port=args.port,
+    model, cors = _serve_model(args), _cors(args)
+    run_server(model or DEFAULT_MODEL, engine_kwargs(args), host=args.host, port=args.port,
                api_key=args.api_key or env.api_key(), served_model_name=args.served_model_name,
                log_level=args.uvicorn_log_level,
                limits=ServerLimits(args.max_request_body_bytes, args.max_n, args.max_prompts,
@@ -283,10 +363,90 @@ def _run_serve(args: argparse.Namespace) -> int:
                log_stats_interval=None if args.disable_log_stats else env.log_stats_interval(),
                chat_template=args.chat_template,
                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+               reasoning_parser=args.reasoning_parser,
                frontend_multiprocessing=not args.disable_frontend_multiprocessing,
                connection_limits=ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout,
-                                                  args.timeout_keep_alive, args.shutdown_timeout))
+                                                  args.timeout_keep_alive, args.shutdown_timeout),
+               cors=cors, log_requests=args.enable_log_requests)
     return 0
+
+
+def _add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE.yaml", type=existing_file_arg,
+                   help="flags from a YAML file, as vLLM's --config: each key a flag's name (max-model-len, "
+                        "max_model_len or --max-model-len) and its value; flags on the command line win "
+                        "(default: none)")
+
+
+def _config_flags(path: str, data: object, sub: argparse.ArgumentParser) -> tuple[list[str], str | None]:
+    """The command-line flags a --config file's mapping stands for, and its model (None: none).
+
+    A true boolean gives the flag (``--no-X`` for a false ``--X/--no-X`` one; false leaves a plain
+    switch off); a list gives one value each to a flag of several values, else JSON, as a dict
+    does; null leaves the flag out. A key that names no flag of the command is an error."""
+    if data is None:
+        return [], None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    flags: list[str] = []
+    model = None
+    for key, value in data.items():
+        name = "--" + str(key).lstrip("-").replace("_", "-")
+        action = sub._option_string_actions.get(name)
+        if name == "--model":
+            model = None if value is None else str(value)
+            continue
+        if action is None or name in ("--config", "--help"):
+            raise ValueError(f"--config {path}: unknown key '{key}': `{sub.prog}` has no flag {name}")
+        if value is None:
+            continue
+        if action.nargs == 0:  # a switch
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key} is a switch: true or false, got {value!r}")
+            if isinstance(action, argparse.BooleanOptionalAction):  # --X or --no-X, whichever the key is
+                on, off = action.option_strings
+                flags.append(on if value == (name == on) else off)
+            elif value:
+                flags.append(name)
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
+            flags += [name, *map(str, value)]
+        elif isinstance(value, list) and isinstance(action, argparse._AppendAction):  # --prompt A --prompt B
+            flags += [part for v in value for part in (name, str(v))]
+        elif isinstance(value, (list, dict)):
+            flags += [name, json.dumps(value)]
+        else:
+            flags += [name, str(value)]
+    return flags, model
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       argv: list[str]) -> argparse.Namespace:
+    """``args`` with the flags of ``--config FILE.yaml`` where the command line gives none (vLLM's
+    semantics): the file's values are checked as flags are, then become the subcommand's
+    defaults and ``argv`` is parsed again."""
+    import yaml
+
+    path = args.config
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: cannot read YAML: {' '.join(str(e).split())}") from None
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    flags, model = _config_flags(path, data, sub)
+    sub.exit_on_error = False  # a bad value in the file: an ArgumentError, said with the file's name
+    try:
+        from_file = sub.parse_args(flags)
+    except argparse.ArgumentError as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    finally:
+        sub.exit_on_error = True
+    dests = {sub._option_string_actions[f].dest for f in flags if f in sub._option_string_actions}
+    sub.set_defaults(**{d: getattr(from_file, d) for d in dests})
+    args = parser.parse_args(argv)
+    if model is not None and args.model is None and getattr(args, "model_flag", None) is None:
+        args.model = model
+    return args
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -327,8 +487,11 @@ def _set_formatter(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None):
+            args = _apply_config_file(parser, args, argv)
         configure_logging()
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:

@@ -1,9 +1,11 @@
 """The engine flags of the command line (vLLM's names), shared by generate, serve and bench,
 and the argparse value types every subcommand's flags use.
 
-``add_engine_args`` adds them to a parser; ``engine_kwargs`` turns the parsed ones into the
-``LLM(...)`` / ``EngineConfig.from_kwargs`` keywords, leaving out those not given (so the
-config's defaults, which the help texts quote, apply). ``HelpFormatter`` shows every option's
+``add_engine_args`` adds them to a parser, with vLLM's flags that attnserve takes only so that
+vLLM's command lines run (``config.VLLM_ONLY_OPTIONS``: logged where they change nothing,
+refused where they ask for what attnserve does not do); ``engine_kwargs`` turns the parsed
+ones into the ``LLM(...)`` / ``EngineConfig.from_kwargs`` keywords, leaving out those not
+given (so the config's defaults, which the help texts quote, apply). ``HelpFormatter`` shows every option's
 default in ``--help``. The value types (``int_arg``, ``float_arg``, ``device_arg``, ...) check a
 flag's value as it is parsed, so a bad one ends in argparse's one-line error naming the flag
 (exit 2) before anything loads; the configs check the same keywords again for ``LLM(...)``.
@@ -195,9 +197,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes already computed")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="auto, safetensors: the checkpoint's weights; dummy: seeded random weights")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="the model's dtype (auto: the checkpoint's on a GPU; on a CPU bfloat16 where it "
-                        "has bf16 dot products, else float32)")
+                        "has bf16 dot products, else float32; half: float16, float: float32, as in vLLM)")
     g.add_argument("--max-logprobs", type=int_arg(-1), default=_default(ModelConfig, "max_logprobs"),
                    help="the most logprobs (and prompt_logprobs) one request may ask for; more is "
                         "refused; -1: no cap")
@@ -215,7 +217,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "device (default: off)")
     g.add_argument("--kv-offload-sparse-latents-size", type=float_arg(0, lo_open=True), default=None, metavar="GiB",
                    help="host memory for those latent rows (default: half of what is available)")
-    g.add_argument("--tensor-parallel-size", type=int_arg(1, 1 << 10), default=None,
+    g.add_argument("--tensor-parallel-size", "-tp", type=int_arg(1, 1 << 10), default=None,
                    help="GPUs to split the model over (default: 1)")
     g.add_argument("--device", default=None, type=device_arg,
                    help="cpu, cuda or cuda:N (default: this machine's platform)")
@@ -239,6 +241,49 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one (default: on for CUDA "
                         "where the model allows it)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill a prompt longer than --max-num-batched-tokens over several steps; "
+                        "without, every prompt is prefilled in one step (the token budget is raised to "
+                        "max_model_len) (default: on)")
+    _add_vllm_only_args(p)
+
+
+def _add_vllm_only_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags that attnserve takes only so that vLLM's command lines run unchanged
+    (``config.VLLM_ONLY_OPTIONS``): those that change nothing here are logged, once, with why;
+    those that ask for what attnserve does not do are refused with the reason."""
+    g = p.add_argument_group("vLLM's flags that change nothing here (logged) or are refused")
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="changes nothing: attnserve never runs code that comes with a checkpoint "
+                        "(default: off)")
+    g.add_argument("--tokenizer-mode", default=None, choices=["auto", "hf", "slow", "mistral", "custom"],
+                   help="auto and hf change nothing (the model's tokenizer.json); slow, mistral and custom "
+                        "are refused (default: auto)")
+    g.add_argument("--swap-space", type=float_arg(0), default=None, metavar="GiB",
+                   help="changes nothing: preempted requests are recomputed, not swapped (--kv-offloading-"
+                        "size keeps evicted prefix blocks in host memory) (default: none)")
+    g.add_argument("--max-seq-len-to-capture", type=int_arg(1, 1 << 31), default=None,
+                   help="changes nothing: CUDA graphs serve every context length (default: max_model_len)")
+    g.add_argument("--compilation-config", "-O", default=None, metavar="JSON_OR_LEVEL",
+                   help="changes nothing: attnserve does not torch.compile the model (default: none)")
+    g.add_argument("--disable-custom-all-reduce", action="store_true", default=None,
+                   help="changes nothing: tensor parallelism all-reduces through NCCL only (default: off)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray", "external_launcher"],
+                   help="mp and uni change nothing (attnserve starts its ranks' processes itself); ray and "
+                        "external_launcher are refused (torchrun: python -m attnserve.entrypoints.torchrun) "
+                        "(default: mp)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int_arg(1, 1 << 10), default=None,
+                   help="1 only: pipeline parallelism is not implemented (default: 1)")
+    g.add_argument("--data-parallel-size", "-dp", type=int_arg(1, 1 << 10), default=None,
+                   help="1 only: data parallelism is not implemented; run one server per replica (default: 1)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="refused: speculative decoding is not implemented (default: none)")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="refused: LoRA adapters are not supported (default: off)")
+    g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="the checkpoint's quantisation method, checked against its config.json: fp8, "
+                        "fbgemm_fp8, compressed-tensors or mxfp4 (loaded dequantised to --dtype); attnserve "
+                        "does not quantise an unquantised checkpoint as it loads (default: the checkpoint's own)")
 
 
 _ENGINE_KEYS = ("tokenizer", "revision", "attention_backend", "disabled_kernels", "kv_cache_dtype", "block_size", "max_model_len",
@@ -247,7 +292,12 @@ _ENGINE_KEYS = ("tokenizer", "revision", "attention_backend", "disabled_kernels"
                 "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir",
                 "kv_offload_sparse_latents", "kv_offload_sparse_latents_size", "tensor_parallel_size",
                 "device", "seed", "streaming_sinks", "streaming_window", "enforce_eager", "check_weights_finite",
-                "async_scheduling", "generation_config")
+                "async_scheduling", "generation_config", "enable_chunked_prefill",
+                # vLLM's flags of config.VLLM_ONLY_OPTIONS
+                "trust_remote_code", "tokenizer_mode", "swap_space", "max_seq_len_to_capture",
+                "compilation_config", "disable_custom_all_reduce", "distributed_executor_backend",
+                "pipeline_parallel_size", "data_parallel_size", "speculative_config", "enable_lora",
+                "quantization")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

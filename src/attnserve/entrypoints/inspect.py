@@ -236,12 +236,12 @@ class InspectReport:
                          "no room for a KV cache")
         else:
             kv = d.kv_bytes()
-            lines.append(f"  KV cache: {_size(kv)} after the weights: {_num(self.tokens_in(kv)) or 0} tokens; "
-                         f"{_num(self.sequences_in(kv)) or 0} sequences of {_num(self.max_model_len)} tokens at once")
+            lines.append(f"  KV cache: {_size(kv)} after the weights: {_num(self.tokens_in(kv))} tokens; "
+                         f"{_num(self.sequences_in(kv))} sequences of {_num(self.max_model_len)} tokens at once")
         if w.checkpoint_bytes != w.loaded_bytes:
             kv = d.kv_bytes(w.checkpoint_bytes)
             lines.append(f"  with the weights kept at their {_size(w.checkpoint_bytes)} (an engine with "
-                         f"{w.quantization} kernels): " + (f"{_num(self.tokens_in(kv)) or 0} tokens" if kv else
+                         f"{w.quantization} kernels): " + (f"{_num(self.tokens_in(kv))} tokens" if kv else
                                                            "they do not fit either"))
         lines.append("  (the engine also keeps room for the largest step's activations and CUDA graphs, "
                      "measured when it starts)")
@@ -260,7 +260,8 @@ class InspectReport:
         lines.append("")
         header = ("kind", "layers", "B/token/layer", "state B/seq/layer", "window", "backend")
         table = [header] + [
-            (r.kind, str(r.num_layers), _components(r), _num(r.state_bytes_per_sequence_per_layer) or "-",
+            (r.kind, str(r.num_layers), _components(r),
+             _num(r.state_bytes_per_sequence_per_layer) if r.state_bytes_per_sequence_per_layer else "-",
              str(r.window) if r.window else "-", r.backend) for r in self.rows]
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         for i, row in enumerate(table):
@@ -279,8 +280,8 @@ class InspectReport:
                      f"{_size(self.bytes_per_sequence_no_window)} without)")
         lines.append(line)
         if self.memory_bytes is not None:
-            lines.append(f"In {_size(self.memory_bytes)}: {_num(self.max_tokens or 0)} tokens of KV cache; "
-                         f"{_num(self.max_sequences or 0)} sequences of {_num(self.max_model_len)} tokens at once")
+            lines.append(f"In {_size(self.memory_bytes)}: {_num(self.max_tokens)} tokens of KV cache; "
+                         f"{_num(self.max_sequences)} sequences of {_num(self.max_model_len)} tokens at once")
         if self.device is not None:
             lines += self._render_device(self.device)
         device = self.device_bytes_per_token_host_latents
@@ -356,8 +357,9 @@ def _kernel_rows(plan: EnginePlan) -> list[KernelRow]:
     return rows + [KernelRow("model", (), "model", choices, errors)]
 
 
-def _num(n: int) -> str:
-    return f"{n:,}" if n else ""
+def _num(n: int | None) -> str:
+    """A count with thousands separators; 0 (or None: nothing fits) prints as 0, never blank."""
+    return f"{n or 0:,}"
 
 
 def _size(n: int) -> str:

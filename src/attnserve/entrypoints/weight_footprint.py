@@ -4,11 +4,13 @@
 allocated, no checkpoint is read), keeps one tensor-parallel rank's shard, and adds up:
 - ``loaded_bytes``: the parameters as the engine holds them, in the model dtype (a quantised
   checkpoint is dequantised when it is loaded: ``models/quantized.py``), float32 routers kept;
-- ``checkpoint_bytes``: the same parameters as a quantised checkpoint stores them. Block-wise
-  fp8 (``quantization_config`` ``fp8`` with ``weight_block_size``): the weights of the linear
-  projections and experts at one byte each plus one float32 scale per block, the rest
-  (embeddings, the output head, norms, routers, the DSA indexer's head weights, biases and
-  ``modules_to_not_convert``) in the checkpoint dtype. MXFP4 (gpt-oss): the expert weights at
+- ``checkpoint_bytes``: the same parameters as a quantised checkpoint stores them. fp8
+  (``quantization_config`` ``fp8``, ``fbgemm_fp8`` or compressed-tensors): the weights of the
+  linear projections and experts at one byte each plus one float32 scale per block, output
+  channel or tensor (a fused projection's parts each their own), the rest (embeddings, the
+  output head, norms, routers, the DSA indexer's head weights, biases and the modules the
+  config leaves unquantised: ``modules_to_not_convert``, compressed-tensors' ``ignore``) in the
+  checkpoint dtype. MXFP4 (gpt-oss): the expert weights at
   half a byte each plus one byte per 32 values. Without quantisation: equal to the parameters
   in the checkpoint dtype.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
@@ -31,7 +34,7 @@ from torch import nn
 from attnserve.arch import ModelArch
 from attnserve.layers.linear import MergedLinear, QKVLinear
 from attnserve.layers.moe import FusedExperts
-from attnserve.models.quantized import QuantScheme
+from attnserve.models.quantized import QuantScheme, unquantised_modules
 from attnserve.models.registry import get_model_class
 from attnserve.runner.parallel import ParallelState, shard_model
 
@@ -102,7 +105,7 @@ def _quantised_bytes(model: nn.Module, scheme: QuantScheme | None, arch: ModelAr
     """Stored bytes (values and scales) of each parameter the checkpoint keeps quantised."""
     if scheme is None:
         return {}
-    skip = [str(s) for s in (arch.quantization_config or {}).get("modules_to_not_convert") or ()]
+    skip = unquantised_modules(arch.quantization_config)
     out: dict[str, int] = {}
     for name, module in model.named_modules():
         if _not_converted(name, skip):
@@ -123,10 +126,17 @@ def _quantised_bytes(model: nn.Module, scheme: QuantScheme | None, arch: ModelAr
 
 
 def _not_converted(name: str, patterns: list[str]) -> bool:
-    """Whether ``modules_to_not_convert`` names this module or one above it (checkpoint names,
-    with or without "model.", glob patterns allowed)."""
+    """Whether a pattern names this module or one above it (checkpoint names, with or without
+    "model."): glob patterns (``modules_to_not_convert``), or ``re:`` regular expressions that
+    match the whole name (compressed-tensors' ``ignore``)."""
     names = [name, f"model.{name}"]
-    return any(fnmatch(n, p) or fnmatch(n, p + ".*") or p == n for p in patterns for n in names)
+    for p in patterns:
+        if p.startswith("re:"):
+            if any(re.fullmatch(p[3:], n) for n in names):
+                return True
+        elif any(fnmatch(n, p) or fnmatch(n, p + ".*") or p == n for n in names):
+            return True
+    return False
 
 
 def _stored(scheme: QuantScheme, experts: int, out_pieces: list[int], in_features: int) -> int:
@@ -134,6 +144,10 @@ def _stored(scheme: QuantScheme, experts: int, out_pieces: list[int], in_feature
     values = sum(out_pieces) * in_features
     if scheme.method == "mxfp4":
         return experts * (values // 2 + math.ceil(values / _MXFP4_GROUP))
+    if scheme.granularity == "channel":
+        return experts * (values + 4 * sum(out_pieces))
+    if scheme.granularity == "tensor":
+        return experts * (values + 4 * len(out_pieces))
     bm, bn = scheme.block_size
     blocks = sum(math.ceil(o / bm) for o in out_pieces) * math.ceil(in_features / bn)
     return experts * (values + 4 * blocks)

@@ -1,4 +1,4 @@
-"""Quantised checkpoints, dequantised as they are read: block-wise fp8 and MXFP4.
+"""Quantised checkpoints, dequantised as they are read: fp8 (block, channel or tensor scales) and MXFP4.
 
 What this file is: a wrapper around a checkpoint's tensor stream (``weights.iter_safetensors``)
 for a model whose ``config.json`` has a ``quantization_config``. Each quantised tensor is
@@ -9,18 +9,29 @@ and in the model's dtype, so that the models' ``load_weights`` see an ordinary c
   [..., ceil(out / bm), ceil(in / bn)]; the weight is each value times its block's scale, the
   edge blocks being partial. Scales are float32 (a power of two for ``scale_fmt`` ue8m0),
   ``float8_e8m0fnu``, or e8m0 exponents as uint8 (2 ** (byte - 127)).
+- ``fp8`` without a block (AutoFP8 / vLLM's own fp8 checkpoints): one ``X.weight_scale`` per
+  tensor; ``fbgemm_fp8`` (Meta's Llama-3.1-405B-FP8): ``X.weight_scale`` [out, 1], one per
+  output channel. The weight is each value times its scale.
+- ``compressed-tensors`` in its ``float-quantized`` format (the llm-compressor releases, e.g.
+  RedHatAI's ``*-FP8-dynamic``): 8-bit float weights of every config group, with
+  ``X.weight_scale`` per tensor, per channel or per block (``block_structure``), symmetric.
+  The config is checked by this file's rules (what attnserve reads), then, when the optional
+  ``compressed-tensors`` library is installed, by its ``QuantizationConfig`` (the rest).
 - ``mxfp4`` (gpt-oss): ``X_blocks`` [E, out, G, 16] uint8 and ``X_scales`` [E, out, G] uint8.
   Each byte holds two e2m1 codes, the low nibble first (the even column), so a group of 16
   bytes is 32 consecutive values along ``in``, sharing the scale 2 ** (scale - 127). The
   unquantised tensor ``X`` is stored [E, in, out] (gpt-oss's ``gate_up_proj`` [E, H, 2I],
   ``down_proj`` [E, I, H]), so the dense [E, out, in] is yielded transposed.
 A tensor is quantised when its dtype is the format's (fp8; uint8 blocks) and its partner
-arrives, in any order and in any shard: the first of the two waits for the other. Everything
-else (norms, embeddings, routers, ``modules_to_not_convert``) passes through untouched.
+arrives, in any order and in any shard: the first of the two waits for the other. Static
+activation and KV scales (``X.input_scale``, ``input_scale_ub``, ``k_scale``, ``v_scale``) are
+dropped: the weights are dequantised and activations run in the model dtype, as transformers
+runs a dequantised checkpoint. Everything else (norms, embeddings, routers, the modules the
+config leaves unquantised) passes through untouched.
 
 What it is not: kernels that keep weights quantised in memory (the model holds the dequantised
-weights in its dtype), per-tensor fp8 (one ``weight_scale`` per tensor), static activation
-scales, or any other quantisation method (AWQ, GPTQ, bitsandbytes, compressed-tensors, ...).
+weights in its dtype), integer or 4-bit schemes other than MXFP4 (AWQ, GPTQ, bitsandbytes,
+compressed-tensors' int and pack-quantized formats), asymmetric scales or sparsity.
 """
 
 from __future__ import annotations
@@ -32,26 +43,46 @@ from typing import Any
 
 import torch
 
-__all__ = ["QuantScheme", "dequantize_fp8_blocks", "dequantize_mxfp4", "dequantized_weights"]
+__all__ = ["QuantScheme", "check_quantization_option", "dequantize_fp8_blocks", "dequantize_fp8_scaled", "dequantize_mxfp4",
+           "dequantized_weights", "unquantised_modules"]
 
-SUPPORTED = "block-wise fp8 (quant_method 'fp8' with weight_block_size) and mxfp4"
+SUPPORTED = ("fp8 (quant_method 'fp8' with or without weight_block_size, 'fbgemm_fp8', and "
+             "compressed-tensors' float-quantized 8-bit float weights) and mxfp4")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_FP8_SCALE = ".weight_scale_inv"
+# static activation and KV cache scales: dropped, the weights being dequantised
+_DROPPED_SCALES = (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale")
 # e2m1 values by 4-bit code: sign bit high, then 2 exponent bits and 1 mantissa bit
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _MXFP4_GROUP_BYTES = 16  # 32 values per shared scale
+_GRANULARITIES = ("block", "channel", "tensor")
 
 
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
-    """How a checkpoint's weights are quantised: ``fp8`` (with its block) or ``mxfp4``."""
+    """How a checkpoint's weights are quantised: ``fp8`` (block, channel or tensor scales) or ``mxfp4``.
+
+    ``granularity`` is "block" exactly when ``block_size`` is given; ``scale_suffix`` follows
+    ``X.weight`` in the scale's name (``_scale_inv``: DeepSeek's block format; ``_scale``: the
+    others). The defaults make ``QuantScheme("fp8", (128, 128))`` the DeepSeek format.
+    """
 
     method: str
     block_size: tuple[int, int] | None = None  # fp8: rows x columns that share one scale
+    granularity: str | None = None  # fp8: "block" | "channel" | "tensor"; None for mxfp4
+    scale_suffix: str = "_scale_inv"
 
     def __post_init__(self) -> None:
-        if self.method not in ("fp8", "mxfp4") or (self.block_size is None) != (self.method == "mxfp4"):
-            raise ValueError(f"not a supported scheme: {self.method} with block {self.block_size}")
+        if self.method == "fp8" and self.block_size is not None and self.granularity is None:
+            object.__setattr__(self, "granularity", "block")
+        if self.method == "mxfp4":
+            ok = self.block_size is None and self.granularity is None
+        else:
+            ok = (self.method == "fp8" and self.granularity in _GRANULARITIES
+                  and (self.block_size is not None) == (self.granularity == "block")
+                  and self.scale_suffix in ("_scale_inv", "_scale"))
+        if not ok:
+            raise ValueError(f"not a supported scheme: {self.method} with block {self.block_size}, "
+                             f"{self.granularity} scales named '*.weight{self.scale_suffix}'")
 
     @classmethod
     def from_config(cls, qc: Mapping[str, Any] | None) -> QuantScheme | None:
@@ -67,28 +98,118 @@ class QuantScheme:
         method = qc.get("quant_method")
         if method == "mxfp4":
             return cls("mxfp4")
+        if method == "fbgemm_fp8":
+            return cls("fp8", None, "channel", "_scale")
+        if method == "compressed-tensors":
+            return _compressed_tensors_scheme(qc)
         if method != "fp8":
             raise ValueError(f"quantization_config: quant_method '{method}' is not supported; attnserve "
                              f"loads {SUPPORTED} checkpoints, dequantised to the model dtype "
                              "(load_format='dummy' ignores quantisation)")
-        block = qc.get("weight_block_size")
-        if block is None:
-            raise ValueError("quantization_config: fp8 without weight_block_size is per-tensor fp8 (one "
-                             "weight_scale per tensor), which is not supported; attnserve loads "
-                             f"{SUPPORTED} checkpoints")
-        if (not isinstance(block, (list, tuple)) or len(block) != 2
-                or not all(isinstance(b, int) and b > 0 for b in block)):
-            raise ValueError("quantization_config: fp8 weight_block_size must be two positive integers, "
-                             f"got {block!r}")
         scheme = qc.get("activation_scheme", "dynamic")
-        if scheme != "dynamic":
-            raise ValueError(f"quantization_config: fp8 activation_scheme '{scheme}' is not supported (only "
-                             "'dynamic': the weights are dequantised and activations are never quantised)")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"quantization_config: fp8 activation_scheme '{scheme}' is not supported "
+                             "(dynamic, or static, whose input scales are dropped: the weights are "
+                             "dequantised and activations are never quantised)")
+        block = qc.get("weight_block_size")
+        if block is None:  # one weight_scale per tensor
+            return cls("fp8", None, "tensor", "_scale")
         scale_fmt = qc.get("scale_fmt")
         if scale_fmt not in (None, "float", "ue8m0"):
             raise ValueError(f"quantization_config: fp8 scale_fmt '{scale_fmt}' is not supported "
                              "(float, ue8m0)")
-        return cls("fp8", (block[0], block[1]))
+        return cls("fp8", _block_size(block, "weight_block_size"))
+
+
+def check_quantization_option(option: str | None, qc: Mapping[str, Any] | None) -> None:
+    """vLLM's ``quantization`` option against the checkpoint's ``quantization_config``: it must
+    name the checkpoint's method (None: any).
+
+    Raises:
+        ValueError: the checkpoint is not quantised (attnserve does not quantise as it loads),
+            or is quantised with another method; naming both.
+    """
+    if option is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, Mapping) else None
+    if method is None:
+        raise ValueError(f"quantization={option!r}: this checkpoint is not quantised (no quantization_config), "
+                         "and attnserve does not quantise weights as it loads them; leave the option out to "
+                         "run it in the model dtype")
+    if method != option:
+        raise ValueError(f"quantization={option!r} does not match the checkpoint's quantization_config, whose "
+                         f"quant_method is {method!r}; leave the option out or pass {method!r}")
+
+
+def unquantised_modules(qc: Mapping[str, Any] | None) -> list[str]:
+    """The module patterns a ``quantization_config`` keeps unquantised: ``modules_to_not_convert``
+    and vLLM's ``ignored_layers`` (fnmatch globs), or compressed-tensors' ``ignore`` (names, or
+    ``re:`` regular expressions)."""
+    if not qc:
+        return []
+    if qc.get("quant_method") == "compressed-tensors":
+        return [str(m) for m in qc.get("ignore") or ()]
+    return [str(m) for key in ("modules_to_not_convert", "ignored_layers") for m in qc.get(key) or ()]
+
+
+def _block_size(block: Any, what: str) -> tuple[int, int]:
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config: fp8 {what} must be two positive integers, got {block!r}")
+    return block[0], block[1]
+
+
+def _compressed_tensors_scheme(qc: Mapping[str, Any]) -> QuantScheme:
+    """compressed-tensors' config: 8-bit float weights in every group, one granularity for all."""
+    where = "quantization_config (compressed-tensors)"
+    fmt = qc.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"{where}: format '{fmt}' is not supported; attnserve loads float-quantized "
+                         "8-bit float (fp8) weights, dequantised to the model dtype")
+    if qc.get("sparsity_config"):
+        raise ValueError(f"{where}: sparsity_config is not supported (dense weights only)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError(f"{where}: config_groups must be a non-empty object, got {groups!r}")
+    kinds = set()
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"{where}: config group '{name}' has no weights scheme")
+        bits, kind = weights.get("num_bits"), weights.get("type")
+        if bits != 8 or kind != "float":
+            raise ValueError(f"{where}: config group '{name}' quantises weights to {bits}-bit {kind}; "
+                             "attnserve loads 8-bit float (fp8) weights only")
+        if weights.get("symmetric") is False:
+            raise ValueError(f"{where}: config group '{name}' has asymmetric weights (zero points); "
+                             "attnserve loads symmetric fp8 weights only")
+        strategy = weights.get("strategy")
+        if strategy == "block":
+            kinds.add(("block", _block_size(weights.get("block_structure"), f"group '{name}' block_structure")))
+        elif strategy in ("tensor", "channel"):
+            kinds.add((strategy, None))
+        else:
+            raise ValueError(f"{where}: config group '{name}' has weight strategy '{strategy}'; attnserve "
+                             "loads tensor, channel and block scales")
+        acts = group.get("input_activations")
+        if acts is not None and (not isinstance(acts, Mapping) or acts.get("num_bits") != 8
+                                 or acts.get("type") != "float"):
+            raise ValueError(f"{where}: config group '{name}' quantises activations as {acts!r}; attnserve "
+                             "takes 8-bit float activation schemes (dropped: activations run in the model dtype)")
+    if len(kinds) > 1:
+        raise ValueError(f"{where}: config groups mix weight scales {sorted(k for k, _ in kinds)}; attnserve "
+                         "loads one granularity per checkpoint")
+    try:  # what attnserve reads is checked above; the library (optional) checks the rest
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError:
+        QuantizationConfig = None
+    if QuantizationConfig is not None:
+        try:
+            QuantizationConfig.model_validate(dict(qc))
+        except Exception as e:  # pydantic's ValidationError, or the library's own checks
+            raise ValueError(f"{where}: {e}") from None
+    ((granularity, block),) = kinds
+    return QuantScheme("fp8", block, granularity, "_scale")
 
 
 def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme,
@@ -110,6 +231,8 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: Qua
             yield name, tensor
             continue
         base, part = role
+        if part == "drop":
+            continue
         parts = pending.setdefault(base, {})
         if part in parts:
             raise ValueError(f"checkpoint tensor '{name}' appears twice")
@@ -126,10 +249,12 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: Qua
 def _role(scheme: QuantScheme, name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
     """(dense name, "weight" | "scale") for a tensor of the quantised format, else None."""
     if scheme.method == "fp8":
-        if name.endswith(_FP8_SCALE):
-            return name[: -len("_scale_inv")], "scale"
+        if name.endswith(".weight" + scheme.scale_suffix):
+            return name[: -len(scheme.scale_suffix)], "scale"
         if name.endswith(".weight") and tensor.dtype in _FP8_DTYPES:
             return name, "weight"
+        if name.endswith(_DROPPED_SCALES):
+            return name, "drop"
         return None
     if tensor.dtype == torch.uint8:  # mxfp4
         for suffix, part in (("_blocks", "weight"), ("_scales", "scale")):
@@ -140,7 +265,7 @@ def _role(scheme: QuantScheme, name: str, tensor: torch.Tensor) -> tuple[str, st
 
 def _partner_name(scheme: QuantScheme, base: str, part: str) -> str:
     if scheme.method == "fp8":
-        return base if part == "weight" else base + "_scale_inv"
+        return base if part == "weight" else base + scheme.scale_suffix
     return base + ("_blocks" if part == "weight" else "_scales")
 
 
@@ -156,8 +281,10 @@ def _dequantize(scheme: QuantScheme, parts: dict[str, tuple[str, torch.Tensor]],
                 dtype: torch.dtype) -> torch.Tensor:
     (wname, weight), (sname, scale) = parts["weight"], parts["scale"]
     try:
+        if scheme.granularity == "block":
+            return dequantize_fp8_blocks(weight, scale, scheme.block_size, dtype, scheme.scale_suffix)
         if scheme.method == "fp8":
-            return dequantize_fp8_blocks(weight, scale, scheme.block_size, dtype)
+            return dequantize_fp8_scaled(weight, scale, scheme.granularity, dtype)
         # [E, out, in] -> [E, in, out]: gpt-oss stores the unquantised experts transposed
         return dequantize_mxfp4(weight, scale, dtype).transpose(-1, -2)
     except ValueError as e:
@@ -172,7 +299,7 @@ def _scale_values(scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                          dtype: torch.dtype) -> torch.Tensor:
+                          dtype: torch.dtype, scale_suffix: str = "_scale_inv") -> torch.Tensor:
     """Block-wise fp8 -> dense: each value times the scale of its [bm, bn] block.
 
     Args:
@@ -190,7 +317,7 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
     rows, cols = weight.shape[-2:]
     expected = (*weight.shape[:-2], math.ceil(rows / bm), math.ceil(cols / bn))
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}, but the weight "
+        raise ValueError(f"weight{scale_suffix} has shape {tuple(scale_inv.shape)}, but the weight "
                          f"{tuple(weight.shape)} in blocks of {list(block)} needs {expected}")
     col_scales = _scale_values(scale_inv).repeat_interleave(bn, dim=-1)[..., :cols]  # [..., out / bm, in]
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
@@ -199,6 +326,39 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
         block_rows = weight[..., r0:r1, :].float()  # [..., <= bm, in]
         out[..., r0:r1, :] = (block_rows * col_scales[..., i : i + 1, :]).to(dtype)
     return out
+
+
+def dequantize_fp8_scaled(weight: torch.Tensor, scale: torch.Tensor, granularity: str,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """fp8 with one scale per tensor or per output channel -> dense: each value times its scale.
+
+    Args:
+        weight: [..., out, in] fp8 (leading dims: experts stored as one tensor).
+        scale: "tensor": one value ([], [1], or one per leading index: [..., 1, 1] or [...]);
+            "channel": [..., out, 1] or [..., out].
+        granularity: "tensor" or "channel", the config's.
+    Returns:
+        [..., out, in] in ``dtype``, computed in float32.
+    Raises:
+        ValueError: the scale's shape is not one of those, or a scale is not finite.
+    """
+    if weight.dim() < 2:
+        raise ValueError(f"an fp8 weight must have at least 2 dims, got shape {tuple(weight.shape)}")
+    lead, out_dim = tuple(weight.shape[:-2]), weight.shape[-2]
+    if granularity == "tensor":
+        shapes = {(), (1,), (*lead, 1, 1), lead} if lead else {(), (1,), (1, 1)}
+        broadcast = (lambda s: s.reshape(*lead, 1, 1)) if lead and scale.numel() > 1 else (lambda s: s.reshape(()))
+    else:
+        shapes = {(*lead, out_dim, 1), (*lead, out_dim)}
+        broadcast = lambda s: s.reshape(*lead, out_dim, 1)  # noqa: E731
+    if tuple(scale.shape) not in shapes:
+        wanted = " or ".join(str(list(x)) for x in sorted(shapes, key=len))
+        raise ValueError(f"weight_scale has shape {tuple(scale.shape)}, but the weight {tuple(weight.shape)} "
+                         f"with {granularity} scales needs {wanted}")
+    values = _scale_values(scale)
+    if not torch.isfinite(values).all():
+        raise ValueError(f"weight_scale holds non-finite values ({granularity} scales)")
+    return (weight.float() * broadcast(values)).to(dtype)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

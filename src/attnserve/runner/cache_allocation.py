@@ -161,8 +161,9 @@ def allocate_kv_cache(model: nn.Module, layout: KVCacheLayout, num_blocks: int, 
             module.streaming = (spec.sinks, spec.window)
     _bind_rotary_for_streaming(model)
     host = sum(slot[0].spec.page_size_bytes for slot in layout.slots if (slot[0].layer, slot[0].name) in host_entries)
-    logger.info("KV cache: %d blocks of %d bytes (%.3f GiB) on %s%s", num_blocks, layout.bytes_per_block - host,
-                num_blocks * (layout.bytes_per_block - host) / GIB, device,
+    # usable blocks, as the engine's start-up summary counts them (block 0 is the null block)
+    logger.info("KV cache: %s blocks of %d bytes and the null block (%.3f GiB) on %s%s", f"{num_blocks - 1:,}",
+                layout.bytes_per_block - host, num_blocks * (layout.bytes_per_block - host) / GIB, device,
                 f", and {host} bytes per block ({num_blocks * host / GIB:.3f} GiB) in host memory" if host else "")
     return caches
 

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, errors, the API key, and ``attnserve serve``.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events),
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (JSON or server-sent
+events; ``GET`` and ``DELETE /v1/responses/{id}`` of a stored response),
 ``/v1/models`` and ``/v1/models/{id}``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/version``, ``/metrics``
 (Prometheus), and the probes ``/health`` (GET or HEAD) and ``/ping`` (GET, POST or HEAD, as
 vLLM and SageMaker have it), the only routes the API key does not guard. Request fields the
 server does not know are ignored with a warning naming them (``protocol.py`` says which are
-refused instead).
+refused instead). CORS headers only with ``--allowed-origins`` (starlette's ``CORSMiddleware``);
+one log line per request with ``--enable-log-requests`` (``_RequestLog``).
 Every error leaves as OpenAI words it,
 ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status. A client that goes
 away is noticed: a streamed request ends when its stream is cancelled, a whole-response request
@@ -29,7 +31,7 @@ import hmac
 import json
 import logging
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -37,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
@@ -66,8 +69,11 @@ from attnserve.entrypoints.openai.protocol import (
     openapi_body,
     validation_error,
 )
+from attnserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from attnserve.entrypoints.openai.responses_api import ResponsesRequest
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from attnserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from attnserve.entrypoints.openai.tool_parsers import get_tool_parser
 
 __all__ = ["build_app", "run_server"]
@@ -214,9 +220,10 @@ async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[s
     )
 
 
-def _check_model(name: str | None, served: str) -> None:
-    """A request's ``model`` must name the served model; None (left out) means it, as in vLLM."""
-    if name is not None and name != served:
+def _check_model(name: str | None, served: str | Sequence[str]) -> None:
+    """A request's ``model`` must name the served model (one of its names); None (left out)
+    means it, as in vLLM."""
+    if name is not None and name not in ((served,) if isinstance(served, str) else served):
         raise OpenAIError(
             f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found"
         )
@@ -263,31 +270,64 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         app.add_exception_handler(exc_type, handler)
 
 
+class _RequestLog:
+    """``engine`` with one INFO line per request it starts: its id, prompt length and sampling
+    params, as vLLM's ``--enable-log-requests`` (the prompt itself stays out of the log)."""
+
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def generate(self, request_id: str, prompt: str | list[int] | dict[str, Any],
+                 params: Any) -> AsyncIterator[Any]:
+        ids, text = (prompt.get("prompt_token_ids"), prompt.get("prompt")) if isinstance(prompt, dict) else \
+            (prompt, None) if isinstance(prompt, list) else (None, prompt)
+        length = f"{len(ids)} tokens" if ids is not None else f"{len(text or '')} characters"
+        logger.info("Received request %s: prompt %s, params: %s", _printable(request_id), length,
+                    _printable(repr(params), 2000))
+        return self.engine.generate(request_id, prompt, params)
+
+
 def build_app(
     engine: EngineClient,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
+    cors: dict[str, Any] | None = None,
+    log_requests: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running (or startable) engine; its lifespan stops the engine.
 
     Args:
         engine: the engine; ``start`` is called when the app starts.
-        served_model_name: the only model name requests may ask for.
+        served_model_name: the model name requests may ask for, or several (vLLM's
+            ``--served-model-name A B``): the first is the one responses and metrics report.
         api_key: when given, every route but ``/health`` requires it as a bearer token.
         limits: body size, ``n``, prompts per request, request-sent chat templates.
         chat_template: a template's source, used instead of the model's own (``--chat-template``).
         tool_call_parser: the parser of the model's tool calls (``tool_parsers.TOOL_PARSERS``)
             that serves ``tool_choice`` "auto"; None refuses "auto" (``--enable-auto-tool-choice``).
+        reasoning_parser: the parser that splits the model's reasoning off chat outputs into
+            ``reasoning_content`` (``reasoning_parsers.REASONING_PARSERS``, ``--reasoning-parser``).
+        cors: ``CORSMiddleware``'s keywords (``--allowed-origins``, ...); None: no CORS headers.
+        log_requests: one log line per request (``--enable-log-requests``).
     """
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    served_model_name = names[0]
     limits = limits or ServerLimits()
     metrics = ServerMetrics(served_model_name, engine.stats, engine.max_model_len, engine.cache_info)
-    drain = DrainingEngine(engine)  # requests generate through it, so that a drain can end them
+    # requests generate through the drain, so that it can end them
+    drain = DrainingEngine(_RequestLog(engine) if log_requests else engine)
     completion = OpenAIServingCompletion(drain, served_model_name, metrics, limits)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
-    chat = OpenAIServingChat(drain, served_model_name, metrics, limits, chat_template, parser)
+    reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
+    chat = OpenAIServingChat(drain, served_model_name, metrics, limits, chat_template, parser, reasoning)
+    responses = OpenAIServingResponses(drain, served_model_name, metrics, chat, limits)  # on the chat path
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -295,6 +335,9 @@ def build_app(
         # structured output's import (seconds) now, not on a worker thread at the first request,
         # where it would hold the interpreter and stall every other client
         await asyncio.to_thread(engine.structured.warm_up)
+        # then every step shape and sampling path once (engine/warm_up.py): the first requests
+        # are as fast as the tenth
+        await asyncio.to_thread(engine.warm_up)
         yield
         await asyncio.to_thread(engine.shutdown)
 
@@ -304,6 +347,8 @@ def build_app(
     app.state.drain = drain
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key, metrics=metrics)
+    if cors is not None:  # added last, so outermost: preflights and 401s get their CORS headers too
+        app.add_middleware(CORSMiddleware, **cors)
 
     _add_error_handlers(app, metrics)
     app.add_exception_handler(ClientDisconnect, _client_gone)
@@ -327,35 +372,49 @@ def build_app(
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    def card() -> ModelCard:
-        return ModelCard(id=served_model_name, root=engine.model, max_model_len=engine.max_model_len)
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.model, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(ModelList(data=[card()]))
+        return _json(ModelList(data=[card(name) for name in names]))
 
     @app.get("/v1/models/{model_id:path}")  # :path: served names may hold a slash (org/name)
     async def model(model_id: str) -> Response:
-        _check_model(model_id, served_model_name)
-        return _json(card())
+        _check_model(model_id, names)
+        return _json(card(model_id))
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest, limits)
-        _check_model(req.model, served_model_name)
+        _check_model(req.model, names)
         return await _respond(request, completion.create(req))
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest, limits)
-        _check_model(req.model, served_model_name)
+        _check_model(req.model, names)
         return await _respond(request, chat.create(req))
+
+    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    async def create_response(request: Request) -> Response:
+        req = await _parse(request, ResponsesRequest, limits)
+        _check_model(req.model, names)
+        return await _respond(request, responses.create(req))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return _json(responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return _json(responses.delete(response_id))
 
     @app.post("/tokenize", openapi_extra=openapi_body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(request: Request) -> Response:
         body = await _json_body(request, limits)
         req = await _validated(request, body, TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest)
-        _check_model(req.model, served_model_name)
+        _check_model(req.model, names)
         tok = engine.tokenizer
         if tok is None and not isinstance(req, TokenizeChatRequest):
             raise OpenAIError("this model has no tokenizer", param="prompt")
@@ -372,7 +431,7 @@ def build_app(
     @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         req = await _parse(request, DetokenizeRequest, limits)
-        _check_model(req.model, served_model_name)
+        _check_model(req.model, names)
         if engine.tokenizer is None:
             raise OpenAIError("this model has no tokenizer", param="tokens")
 
@@ -393,7 +452,7 @@ def run_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     log_level: str = "info",
     limits: ServerLimits | None = None,
     log_stats_interval: float | None = None,
@@ -401,6 +460,9 @@ def run_server(
     tool_call_parser: str | None = None,
     frontend_multiprocessing: bool = True,
     connection_limits: ConnectionLimits | None = None,
+    cors: dict[str, Any] | None = None,
+    log_requests: bool = False,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Build the engine and serve it with uvicorn until interrupted (``attnserve serve``).
 
@@ -409,7 +471,8 @@ def run_server(
     ``tool_call_parser``: serves ``tool_choice`` "auto" (``--enable-auto-tool-choice``);
     ``frontend_multiprocessing``: the engine in its own process (False: on a thread of this
     one, ``--disable-frontend-multiprocessing``); ``connection_limits``: the connection cap,
-    the header, body and keep-alive timeouts and the shutdown timeout (``connections.py``)."""
+    the header, body and keep-alive timeouts and the shutdown timeout (``connections.py``);
+    ``served_model_name``, ``cors``, ``log_requests``, ``reasoning_parser``: as ``build_app``'s."""
     from attnserve.engine.async_engine import AsyncLLMEngine
     from attnserve.engine.engine_process import EngineProcessClient
     from attnserve.tokenizer import load_chat_template
@@ -417,11 +480,14 @@ def run_server(
     template = load_chat_template(chat_template)  # a bad path fails before the model loads
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)  # an unknown name, too
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
     raise_fd_limit()  # before the engine process starts, so that it inherits the limit too
     engine_class = EngineProcessClient if frontend_multiprocessing else AsyncLLMEngine
     engine = engine_class.from_kwargs(model, log_stats_interval=log_stats_interval, **engine_kwargs)
     try:
-        app = build_app(engine, served_model_name or model, api_key, limits, template, tool_call_parser)
+        app = build_app(engine, served_model_name or model, api_key, limits, template, tool_call_parser,
+                        cors=cors, log_requests=log_requests, reasoning_parser=reasoning_parser)
         server = build_server(app, connection_limits, host, port, log_level, drain=app.state.drain)
         try:
             server.run()

@@ -7,7 +7,11 @@ and how the request ended. The phases of a finished request (queue, prefill, dec
 time) come from the engine's own timestamps in ``RequestOutput.metrics``: arrival, first
 scheduled (set by the scheduler), first and last token. Engine-level figures (running and waiting requests, KV cache usage,
 prefix-cache and offload hits, preemptions) are read from the engine thread's latest
-``EngineStats`` snapshot when the page is scraped (``_EngineCollector``).
+``EngineStats`` snapshot when the page is scraped (``_EngineCollector``), among them
+``vllm:iteration_tokens_total``, the engine's own count of its steps by the tokens each added to
+the prompt and generation token counts (``LLMEngine.iteration_token_counts``). The request
+parameters ``n`` and ``max_tokens`` (the number the engine was given: the request's, or what the
+context leaves) are observed once a request finishes, as vLLM observes them.
 
 Names are vLLM's (``vllm:...``, every sample labelled ``model_name``) where the meaning is the
 same, so its dashboards work unchanged; figures vLLM has no name for are ``attnserve:...``
@@ -24,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -33,13 +38,23 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
+from attnserve.engine.engine import ITERATION_TOKEN_BUCKETS
 from attnserve.engine.engine_client import EngineStats
 from attnserve.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from attnserve.sampling_params import SamplingParams
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics", "token_buckets"]
 
@@ -51,6 +66,7 @@ _TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
                           5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                             50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for vllm:request_params_n
 
 
 def token_buckets(max_value: int) -> tuple[float, ...]:
@@ -117,6 +133,14 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", m, registry=reg,
                                                    buckets=buckets).labels(model_name)
+        self.request_max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            m, registry=reg, buckets=buckets).labels(model_name)
+        self.request_params_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", m,
+                                          registry=reg, buckets=_N_BUCKETS).labels(model_name)
+        self.request_params_max_tokens = Histogram("vllm:request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", m,
+                                                   registry=reg, buckets=buckets).labels(model_name)
         self.errors = Counter("attnserve:request_errors", "Requests answered with an error, by HTTP status.",
                               [*m, "status"], registry=reg)
         if engine_stats is not None:
@@ -132,9 +156,11 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     async def track(
-        self, stream: AsyncIterator[RequestOutput], arrival: float
+        self, stream: AsyncIterator[RequestOutput], arrival: float, params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Pass ``stream`` through, recording its timings; ``arrival`` is a perf_counter time."""
+        """Pass ``stream`` through, recording its timings; ``arrival`` is a perf_counter time,
+        ``params`` what the request was submitted with (its ``n`` and ``max_tokens`` observed
+        when it finishes; None: not observed)."""
         seen, first, last, finished = 0, arrival, arrival, False
         try:
             async with aclosing(stream):
@@ -161,6 +187,11 @@ class ServerMetrics:
                         self.request_success.labels(self.model_name, reason).inc()
                         self.e2e.observe(now - arrival)
                         self.request_generation_tokens.observe(num)
+                        self.request_max_generation_tokens.observe(max(len(c.token_ids) for c in out.outputs))
+                        if params is not None:
+                            self.request_params_n.observe(params.n)
+                            if params.max_tokens is not None:
+                                self.request_params_max_tokens.observe(params.max_tokens)
                         if num > 1:
                             self.tpot.observe((now - first) / (num - 1))
                         self._observe_phases(out.metrics)
@@ -224,8 +255,21 @@ class _EngineCollector:
                 name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], float(getattr(stats, field)))
             yield family
+        yield self._iteration_tokens(stats)
         if self.cache_info:
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
                                      labels=["model_name", *self.cache_info])
             info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
             yield info
+
+    def _iteration_tokens(self, stats: EngineStats) -> Metric:
+        """vLLM's histogram of tokens per engine step, from the engine's counts per bucket (its
+        sum: every step's tokens, which are the prompt and generation tokens counted)."""
+        counts = stats.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        family = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                       labels=["model_name"])
+        bounds = [floatToGoString(b) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+        family.add_metric([self.model_name], list(zip(bounds, cumulative)),
+                          sum_value=float(stats.prompt_tokens + stats.generation_tokens))
+        return family

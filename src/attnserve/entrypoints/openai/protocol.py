@@ -63,6 +63,7 @@ __all__ = [
     "FunctionCall",
     "OpenAIError",
     "StreamOptions",
+    "StrictRequest",
     "TokenizeChatRequest",
     "TokenizeCompletionRequest",
     "TokenizeResponse",
@@ -146,9 +147,7 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "use_beam_search": (False,),
     "echo": (False,),  # in chat (vLLM's extension); the completions endpoint implements it
-    "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
-    "spaces_between_special_tokens": (True,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
@@ -161,12 +160,14 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "documents": (None,),
     "chat_template": (None,),
     "stream_options.continuous_usage_stats": (None, False),
+    "conversation": (None,),  # /v1/responses: OpenAI's stored conversations (this server has none)
 }
 
 
-class _Strict(BaseModel):
-    """Strictly typed; fields it does not declare are kept aside (``model_extra``) so that
-    ``ignored_fields`` can name them, and are otherwise ignored."""
+class StrictRequest(BaseModel):
+    """The base of the request models (``responses_api.py``'s too): strictly typed; fields it
+    does not declare are kept aside (``model_extra``) so that ``ignored_fields`` can name them,
+    and are otherwise ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -186,9 +187,9 @@ class _Strict(BaseModel):
 
 
 def _extras(model: BaseModel, prefix: str) -> Iterator[tuple[str, Any]]:
-    """(dotted path, value) of every undeclared field of the ``_Strict`` models in ``model``
+    """(dotted path, value) of every undeclared field of the ``StrictRequest`` models in ``model``
     (messages' own extra fields are not among them: they reach the chat template)."""
-    if isinstance(model, _Strict):
+    if isinstance(model, StrictRequest):
         for name, value in (model.model_extra or {}).items():
             yield prefix + name, value
     for name in type(model).model_fields:
@@ -200,11 +201,11 @@ def _extras(model: BaseModel, prefix: str) -> Iterator[tuple[str, Any]]:
                 yield from _extras(item, f"{prefix}{name}.")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictRequest):
     """Fields both endpoints share (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None  # None: the served model, as vLLM takes a request without one
@@ -228,6 +229,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # changes no text with this server's tokenizers
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
@@ -298,6 +301,7 @@ class _SamplingFields(_Strict):
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
                 logit_bias=self.logit_bias,
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
@@ -350,7 +354,7 @@ class CompletionRequest(_SamplingFields):
         return self._sampling(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
-class TextPart(_Strict):
+class TextPart(StrictRequest):
     type: Literal["text"]
     text: str
 
@@ -653,7 +657,7 @@ def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
     return inline(schema)
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(StrictRequest):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -668,6 +672,6 @@ class TokenizeChatRequest(ChatCompletionRequest):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictRequest):
     model: str | None = None
     tokens: list[int]

@@ -136,6 +136,9 @@ class ToolCall(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # the server's reasoning parser's (--reasoning-parser); ``reasoning`` is vLLM's newer name
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -164,6 +167,8 @@ class DeltaToolCall(ToolCall):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # as ResponseMessage's
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

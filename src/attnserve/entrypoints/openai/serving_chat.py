@@ -12,7 +12,14 @@ the output is free, the parser finds the calls in the model's own format, and th
 with finish reason "tool_calls" when it found any; a stream sends the text before the calls as
 it comes and each call as it completes. Without a parser "auto" is a 400 naming the flags.
 
-Not here: the parsers (``tool_parsers.py``), images, reasoning parsers; the HTTP layer
+Reasoning: with a reasoning parser (``--reasoning-parser``) the model's thinking comes back as
+``reasoning_content`` (and ``reasoning``, vLLM's newer name), the rest as the content, in which
+"auto" finds the calls; a stream sends reasoning deltas, then content deltas. Not for outputs
+a grammar forces from the first token (forced tool calls, ``response_format``, ``guided_*``):
+they hold no reasoning. Formats whose markers are special tokens (``mistral``, ``openai``,
+``openai_gptoss``) have them kept in the text (``skip_special_tokens`` off), as vLLM's parsers ask.
+
+Not here: the parsers (``tool_parsers/``, ``reasoning_parsers.py``), images; the HTTP layer
 (``api_server.py``).
 """
 
@@ -23,6 +30,8 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from attnserve.detokenizer import decode_token
 from attnserve.engine.engine import truncate_prompt_ids
@@ -57,14 +66,23 @@ from attnserve.entrypoints.openai.protocol import (
     random_id,
     sse,
 )
+from attnserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from attnserve.entrypoints.openai.serving_completion import (
     StreamProgress,
     check_constraints,
     raise_if_failed,
     stop_holdback,
 )
-from attnserve.entrypoints.openai.tool_parsers import HermesToolParser, ToolCallStream
+from attnserve.entrypoints.openai.tool_parsers import StreamDelta, ToolParser
 from attnserve.outputs import Logprob, RequestOutput
+
+if TYPE_CHECKING:
+    from attnserve.entrypoints.openai.reasoning_parsers import (
+        HarmonyReasoningStream,
+        ReasoningStream,
+    )
+    from attnserve.entrypoints.openai.tool_parsers import HarmonyStream, ToolCallStream
+    from attnserve.sampling_params import SamplingParams
 
 __all__ = ["OpenAIServingChat"]
 
@@ -72,13 +90,14 @@ __all__ = ["OpenAIServingChat"]
 class OpenAIServingChat:
     def __init__(self, engine: EngineClient, model_name: str, metrics: ServerMetrics,
                  limits: ServerLimits | None = None, chat_template: str | None = None,
-                 tool_parser: HermesToolParser | None = None):
+                 tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits or ServerLimits()
         self.chat_template = chat_template  # --chat-template: instead of the model's own
         self.tool_parser = tool_parser  # --enable-auto-tool-choice --tool-call-parser: "auto" served
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: reasoning_content split off
 
     async def create(
         self, req: ChatCompletionRequest
@@ -108,12 +127,13 @@ class OpenAIServingChat:
                                                     req.model_fields_set)
         params = check_for_model(params, self.engine.vocab_size, self.engine.max_logprobs)
         await check_constraints(self.engine, req, params)
+        parsing = self._output_parsing(req, params, ids)
         rid = random_id("chatcmpl")
         stream = self.metrics.track(
-            self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival
+            self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival, params
         )
         if req.stream:
-            return self._stream(rid, req, stream)
+            return self._stream(rid, req, stream, parsing)
         final: RequestOutput | None = None
         async with aclosing(stream):
             async for out in stream:
@@ -123,7 +143,7 @@ class OpenAIServingChat:
             raise OpenAIError("the request was aborted", status=500)
         choices = []
         for c in final.outputs:
-            message = _message(req, c.text, self.tool_parser)
+            message = _message(req, c.text, parsing)
             auto_called = req.tool_call_mode()[0] == "auto" and bool(message.tool_calls)
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self._logprobs(req, c.token_ids, c.logprobs),
@@ -133,11 +153,31 @@ class OpenAIServingChat:
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=_usage(final),
                                       prompt_logprobs=render_prompt_logprobs(final.prompt_logprobs))
 
-    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def _output_parsing(self, req: ChatCompletionRequest, params: SamplingParams,
+                        ids: list[int]) -> OutputParsing | None:
+        """How the request's outputs are read (None: as they are, or as forced tool calls): the
+        tool-call parser for "auto", the reasoning parser unless a grammar forces the output from
+        its first token (it holds no reasoning then) or the tool parser splits reasoning itself.
+        Formats whose markers are special tokens keep them in the text, as vLLM's parsers ask."""
+        mode = req.tool_call_mode()[0]
+        tools = self.tool_parser if mode == "auto" else None
+        reasoning = self.reasoning_parser
+        if mode in ("named", "required") or params.structured_outputs is not None or (tools and tools.handles_reasoning):
+            reasoning = None
+        if tools is None and reasoning is None:
+            return None
+        if any(p is not None and p.keeps_special_tokens for p in (tools, reasoning)):
+            params.skip_special_tokens = False
+        # the prompt's end says whether the template opened (or closed) the thinking
+        tail = self.engine.tokenizer.decode(ids[-8:], False) if reasoning is not None else ""
+        return OutputParsing(reasoning, tail, tools, req.tools)
+
+    def prompt_ids(self, req: ChatCompletionRequest, fit: bool = False) -> list[int]:
         """The conversation's prompt token ids, rendered and checked as for a chat request
         (``/tokenize`` of messages, so that its count is the chat's ``usage.prompt_tokens``; as
-        vLLM's, it counts a conversation longer than the model too)."""
-        return self._prompt_ids(req, fit=False)
+        vLLM's, it counts a conversation longer than the model too, unless ``fit``: then one
+        whose text is too long for the model is refused before it is tokenised, as a chat's is)."""
+        return self._prompt_ids(req, fit=fit)
 
     def _prompt_ids(self, req: ChatCompletionRequest, fit: bool = True) -> list[int]:
         """``fit``: refuse a rendered conversation too long for the model before tokenising it."""
@@ -187,6 +227,13 @@ class OpenAIServingChat:
             raise OpenAIError("the rendered conversation is empty", param="messages")
         return ids
 
+    def token_logprobs(self, req: ChatCompletionRequest, ids: Sequence[int],
+                       entries: Sequence[dict[int, Logprob]] | None) -> list[TokenLogprob]:
+        """The logprob entries of tokens ``ids`` as a chat reply shows them (none unless
+        ``req.logprobs``): ``/v1/responses`` shows them so too."""
+        logprobs = self._logprobs(req, ids, entries)
+        return logprobs.content if logprobs is not None and logprobs.content is not None else []
+
     def _logprobs(
         self,
         req: ChatCompletionRequest,
@@ -204,22 +251,28 @@ class OpenAIServingChat:
             )
             content.append(
                 TokenLogprob(
-                    **self._token(tid, entry[tid]),
-                    top_logprobs=[TopLogprob(**self._token(t, lp)) for t, lp in top],
+                    **self._token(tid, entry[tid], req.return_tokens_as_token_ids),
+                    top_logprobs=[TopLogprob(**self._token(t, lp, req.return_tokens_as_token_ids))
+                                  for t, lp in top],
                 )
             )
         return ChatLogprobs(content=content)
 
-    def _token(self, tid: int, lp: Logprob) -> dict:
+    def _token(self, tid: int, lp: Logprob, as_id: bool | None = False) -> dict:
+        """``as_id`` (``return_tokens_as_token_ids``): the token as "token_id:N", its bytes
+        those of that string, as vLLM's."""
         text = (
-            lp.decoded_token
+            f"token_id:{tid}"
+            if as_id
+            else lp.decoded_token
             if lp.decoded_token is not None
             else decode_token(self.engine.tokenizer, tid)
         )
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
 
     async def _stream(
-        self, rid: str, req: ChatCompletionRequest, stream: AsyncIterator[RequestOutput]
+        self, rid: str, req: ChatCompletionRequest, stream: AsyncIterator[RequestOutput],
+        output_parsing: OutputParsing | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -236,7 +289,7 @@ class OpenAIServingChat:
         progress = [StreamProgress() for _ in range(req.n)]
         hold = stop_holdback(req.stop)
         tool_mode, _ = req.tool_call_mode()
-        parsing = [ToolCallStream(self.tool_parser) for _ in range(req.n)] if tool_mode == "auto" else None
+        parsing = [output_parsing.stream() for _ in range(req.n)] if output_parsing is not None else None
         final = None
         prompt_logprobs_sent = False  # they go with the first chunk that carries generated tokens
         try:
@@ -258,7 +311,7 @@ class OpenAIServingChat:
                             continue  # forced tool calls go out whole, with the choice's last chunk
                         text, t0, t1 = p.advance(c, hold)
                         finish_reason = c.finish_reason
-                        if parsing is not None:  # "auto": the parser splits content from calls
+                        if parsing is not None:  # the parsers split reasoning and calls off the content
                             delta = _parsed_delta(parsing[c.index], text, c.finished)
                             if c.finished and parsing[c.index].num_calls:
                                 finish_reason = "tool_calls"
@@ -287,14 +340,13 @@ class OpenAIServingChat:
         yield sse("[DONE]")
 
 
-def _message(req: ChatCompletionRequest, text: str, parser: HermesToolParser | None = None) -> ResponseMessage:
+def _message(req: ChatCompletionRequest, text: str, parsing: OutputParsing | None = None) -> ResponseMessage:
     """The assistant's message: its text, or the tool calls its forced JSON holds (the text
-    itself when generation stopped before the JSON was complete), or with "auto" the calls
-    ``parser`` finds in it and the text before them."""
+    itself when generation stopped before the JSON was complete), or what ``parsing`` reads in
+    it (reasoning, and with "auto" the calls and the text before them)."""
     mode, function = req.tool_call_mode()
-    if mode == "auto" and parser is not None:
-        parsed = parser.extract(text)
-        return ResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls)
+    if parsing is not None:
+        return parsing.message(text)
     if mode == "named":
         try:
             json.loads(text)
@@ -319,13 +371,58 @@ def _tool_delta(req: ChatCompletionRequest, text: str) -> DeltaMessage:
     return DeltaMessage(content=message.content, tool_calls=calls or None)
 
 
-def _parsed_delta(parsing: ToolCallStream, text: str, finished: bool) -> DeltaMessage:
-    """New text of an "auto" choice as a delta: the content the parser lets out, and each call
-    it completed (whole: id, type, name and arguments)."""
+def _parsed_delta(parsing: ChoiceStream, text: str, finished: bool) -> DeltaMessage:
+    """New text of a parsed choice as a delta: the reasoning and content the parsers let out,
+    and each call completed (whole: id, type, name and arguments)."""
     first = parsing.num_calls
-    content, calls = parsing.step(text, finished)
-    deltas = [DeltaToolCall(index=first + i, **call.model_dump()) for i, call in enumerate(calls)]
-    return DeltaMessage(content=content if content or not deltas else None, tool_calls=deltas or None)
+    out = parsing.step(text, finished)
+    deltas = [DeltaToolCall(index=first + i, **call.model_dump()) for i, call in enumerate(out.tool_calls)]
+    reasoning = out.reasoning or None
+    content = out.content if out.content or not (deltas or reasoning) else None
+    return DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=deltas or None)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputParsing:
+    """How a request's outputs are read: reasoning split off first (``prompt_tail``, the
+    prompt's end, says whether the template opened the thinking), then, for tool_choice "auto",
+    the calls found in the content (``tool_specs``: the request's tools)."""
+
+    reasoning: ReasoningParser | None
+    prompt_tail: str
+    tools: ToolParser | None
+    tool_specs: list[dict[str, Any]] | None
+
+    def message(self, text: str) -> ResponseMessage:
+        reasoning, content = (None, text) if self.reasoning is None else self.reasoning.extract(text, self.prompt_tail)
+        calls = []
+        if self.tools is not None and content is not None:
+            parsed = self.tools.extract(content, self.tool_specs)
+            content, calls, reasoning = parsed.content, parsed.tool_calls, parsed.reasoning or reasoning
+        return ResponseMessage(content=content, tool_calls=calls, reasoning_content=reasoning, reasoning=reasoning)
+
+    def stream(self) -> ChoiceStream:
+        return ChoiceStream(None if self.reasoning is None else self.reasoning.stream(self.prompt_tail),
+                            None if self.tools is None else self.tools.stream(self.tool_specs))
+
+
+@dataclass(slots=True)
+class ChoiceStream:
+    """One streamed choice through ``OutputParsing``'s parsers: the reasoning stream's content
+    feeds the tool-call stream."""
+
+    reasoning: ReasoningStream | HarmonyReasoningStream | None
+    tools: ToolCallStream | HarmonyStream | None
+    num_calls: int = 0
+
+    def step(self, delta: str, finished: bool) -> StreamDelta:
+        reasoning, content = ("", delta) if self.reasoning is None else self.reasoning.step(delta, finished)
+        if self.tools is None:
+            return StreamDelta(content=content, reasoning=reasoning)
+        out = self.tools.step(content, finished)
+        out.reasoning = reasoning + out.reasoning
+        self.num_calls += len(out.tool_calls)
+        return out
 
 
 def _usage(out: RequestOutput) -> UsageInfo:

@@ -267,7 +267,7 @@ class OpenAIServingCompletion:
         rid = random_id("cmpl")
         streams = [
             self.metrics.track(
-                self.engine.generate(f"{rid}-{i}", {"prompt_token_ids": ids}, p), arrival
+                self.engine.generate(f"{rid}-{i}", {"prompt_token_ids": ids}, p), arrival, p
             )
             for i, ((_, ids), p) in enumerate(zip(prompts, params))
         ]
@@ -329,7 +329,10 @@ class OpenAIServingCompletion:
         p: StreamProgress,
         ids: Sequence[int],
         entries: Sequence[dict[int, Logprob] | None],
+        as_ids: bool | None = False,
     ) -> None:
+        """``as_ids`` (``return_tokens_as_token_ids``): tokens are "token_id:N", as vLLM's;
+        ``text_offset`` still counts the characters of the text."""
         tok = self.engine.tokenizer
         for tid, entry in zip(ids, entries):
             text = (
@@ -339,7 +342,7 @@ class OpenAIServingCompletion:
                 if tok is not None
                 else ""
             )
-            into.tokens.append(text)
+            into.tokens.append(f"token_id:{tid}" if as_ids else text)
             into.text_offset.append(p.text_offset)
             p.text_offset += len(text)
             into.token_logprobs.append(entry[tid].logprob if entry else None)
@@ -347,7 +350,8 @@ class OpenAIServingCompletion:
                 None
                 if not entry
                 else {
-                    (lp.decoded_token if lp.decoded_token is not None else str(t)): lp.logprob
+                    (f"token_id:{t}" if as_ids else lp.decoded_token if lp.decoded_token is not None
+                     else str(t)): lp.logprob
                     for t, lp in entry.items()
                 }
             )
@@ -426,8 +430,10 @@ class OpenAIServingCompletion:
         if req.logprobs is not None:
             logprobs = CompletionLogprobs()
             if req.echo and first:
-                self._add_logprobs(logprobs, p, out.prompt_token_ids, out.prompt_logprobs or [])
-            self._add_logprobs(logprobs, p, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1])
+                self._add_logprobs(logprobs, p, out.prompt_token_ids, out.prompt_logprobs or [],
+                                   req.return_tokens_as_token_ids)
+            self._add_logprobs(logprobs, p, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1],
+                               req.return_tokens_as_token_ids)
         fields = dict(index=index, text=prefix + text, logprobs=logprobs, finish_reason=c.finish_reason,
                       stop_reason=c.stop_reason)
         if first and (whole or out.prompt_logprobs is not None):

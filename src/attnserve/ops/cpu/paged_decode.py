@@ -15,9 +15,11 @@ The AVX-512 code is compiled through per-function target attributes, so the libr
 any AVX2 CPU; the path is the best both the CPU's flags (``platforms/cpu_info.py``, capped by
 ``ATTNSERVE_CPU_ISA``) and the library's own cpuid check allow, and ``paged_decode(isa=...)``
 forces one (a path the CPU lacks is an error). It is built just in time with
-``torch.utils.cpp_extension`` on first use (gcc, a few tens of seconds once; torch caches the
-build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, and rebuilds only
-when a source changes) and registered as ``torch.ops.attnserve_cpu.paged_decode``.
+``torch.utils.cpp_extension`` on first use (gcc, 15-25 s once) into attnserve's cache,
+``~/.cache/attnserve/torch_extensions/attnserve_cpu_paged_decode-<key>``, the key a hash of its
+sources and header, flags, Python and torch (``extension.py``): later starts load that build in
+milliseconds, and the log says whether it was built or loaded. It registers as
+``torch.ops.attnserve_cpu.paged_decode``.
 
 It is the ``cpu_ext`` variant of ``attention.decode`` (``attention/kernels.py``, whose ``takes``
 says which layers it serves: plain causal attention of a float dtype, head sizes a multiple of 8,
@@ -33,11 +35,11 @@ What it is not: prefills, windows, ALiBi, sinks, soft-capping, fp8 caches, GPUs.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
 
+from attnserve.ops.cpu.extension import load_extension
 from attnserve.platforms.cpu_info import cpu_info
 
 __all__ = ["DTYPES", "ISAS", "available", "cpu_support", "kernel_isa", "paged_decode", "prepare", "supported_isas"]
@@ -45,8 +47,9 @@ __all__ = ["DTYPES", "ISAS", "available", "cpu_support", "kernel_isa", "paged_de
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-# the op, the AVX2 path, the AVX-512 paths (paged_decode.h, their shared header, is tracked by ninja)
+# the op, the AVX2 path, the AVX-512 paths; paged_decode.h, their shared header, is in the build's key
 _SOURCES = [_CSRC / "cpu_paged_decode.cpp", _CSRC / "paged_decode_avx2.cpp", _CSRC / "paged_decode_avx512.cpp"]
+_HEADERS = [_CSRC / "paged_decode.h"]
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
 _LDFLAGS = ["-fopenmp"]  # libgomp.so.1: the one torch has loaded already
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,17 +84,11 @@ def _build() -> str:
     why = cpu_support()
     if why is None:
         try:
-            from torch.utils import cpp_extension
-
-            start = time.perf_counter()
-            cpp_extension.load("attnserve_cpu_paged_decode", [str(s) for s in _SOURCES], extra_cflags=_CFLAGS,
-                               extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
-            seconds = time.perf_counter() - start
-            (logger.info if seconds > 1.0 else logger.debug)("CPU decode kernel built in %.1f s (cached for the "
-                                                              "next start)", seconds)
+            loaded = load_extension("attnserve_cpu_paged_decode", _SOURCES, _HEADERS, _CFLAGS, _LDFLAGS)
             best = min(ISAS.index(cpu_info().decode_isa), int(torch.ops.attnserve_cpu.best_isa()) - 1)
             _isa = ISAS[best]
-            logger.info("CPU decode kernel: the %s path (%s)", _isa, cpu_info().describe())
+            logger.info("CPU decode kernel: the %s path, %s", _isa, loaded.describe())
+            logger.debug("CPU decode kernel: %s", cpu_info().describe())
             return ""
         except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path stays
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
