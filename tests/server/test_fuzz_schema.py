@@ -5,9 +5,11 @@ JSON schemas), so schemathesis generates requests for every route and method in 
 bodies that fit it (with the served model's name, so that they reach the engine) and bodies
 that break it. Each is sent over HTTP to a real server (uvicorn on loopback, an engine thread).
 Whatever it sends: never a 5xx; every error in OpenAI's shape (``{"error": {"message", "type",
-"param", "code"}}``); a stream ends with ``[DONE]``; the engine holds nothing once the answer is
-in; after the run ``/health`` answers at once and a fixed greedy request still gets its exact
-output. Derandomized and bounded (a few hundred requests, seconds), so CI is reproducible.
+"param", "code"}}``); a stream ends with ``[DONE]`` (``/v1/responses``: numbered typed events,
+the last one ending the response); the engine holds nothing once the answer is in; after the
+run ``/health`` answers at once and a fixed greedy request still gets its exact output.
+Derandomized and bounded (a few hundred requests, seconds); which bodies are drawn varies with
+the tests run before it in the process.
 ``test_fuzz_protocol.py`` fuzzes the bodies from the models' fields instead; SamplingParams is
 fuzzed in ``tests/unit/test_fuzz_sampling_params.py``.
 """
@@ -51,12 +53,18 @@ def _served_model_only(raw: dict) -> dict:
     return raw
 
 
-def _check(srv, resp) -> None:
+def _check(srv, resp, path: str) -> None:
     assert resp.status_code < 500, f"{resp.status_code}: {resp.text[:300]}"
     if resp.status_code >= 400:
         err = resp.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], err
         assert err["type"] == "invalid_request_error", err
+    elif "text/event-stream" in str(resp.headers.get("content-type")) and path == "/v1/responses":
+        # typed events, numbered in order, no [DONE]; the last one ends the response
+        events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: ")]
+        assert events and [e["sequence_number"] for e in events] == list(range(len(events))), resp.text[-300:]
+        ends = ("response.completed", "response.incomplete", "response.failed")
+        assert events[-1]["type"] in ends or resp.stream_cut_short, resp.text[-300:]
     elif "text/event-stream" in str(resp.headers.get("content-type")):
         events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
         # schemathesis reads 20 events of a stream at most, then hangs up (the server aborts)
@@ -81,7 +89,7 @@ def test_schema_fuzz_never_hurts_the_server(fuzz_server):
     schema = schemathesis.openapi.from_dict(_served_model_only(raw))
     # the operations that take a body (the probes and GET routes have nothing to fuzz, and each
     # one would take its share of the examples)
-    bodies = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    bodies = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"}
     operations = [op for op in (result.ok() for result in schema.get_all_operations()) if op.path in bodies]
     assert {op.path for op in operations} == bodies
     cases = st.one_of([op.as_strategy(generation_mode=mode) for op in operations
@@ -95,7 +103,7 @@ def test_schema_fuzz_never_hurts_the_server(fuzz_server):
     def call(case):
         resp = case.call(base_url=fuzz_server.base_url, timeout=60)
         seen[(case.operation.path, resp.status_code)] = seen.get((case.operation.path, resp.status_code), 0) + 1
-        _check(fuzz_server, resp)
+        _check(fuzz_server, resp, case.operation.path)
         fuzz_server.wait_idle(timeout=5)
 
     call()
