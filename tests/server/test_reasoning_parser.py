@@ -234,3 +234,50 @@ def test_harmony(harmony):
     script.text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>"
     msg = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=20).choices[0].message
     assert (msg.reasoning_content, msg.content) == ("Easy.", "4") and script.params[-1].skip_special_tokens is False
+
+
+# --- /v1/responses: a reasoning item before the message ------------------------------------------
+def _response_events(client, **kwargs) -> list:
+    return list(client.responses.create(model=MODEL_NAME, input="What is 2 + 2?", stream=True, **kwargs))
+
+
+def test_responses_reasoning_item(scripted):
+    client, script = scripted
+    script.text = "<think>Two and two.</think>It is 4."
+    resp = client.responses.create(model=MODEL_NAME, input="What is 2 + 2?", max_output_tokens=12)
+    assert [item.type for item in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == "Two and two." and resp.output_text == "It is 4."
+    assert resp.status == "incomplete" and resp.output[0].status == resp.output[1].status == "incomplete"
+    # the next turn continues from the reply alone, not the reasoning
+    script.text = "Fine.</think>Yes."
+    follow = client.responses.create(model=MODEL_NAME, input="Sure?", previous_response_id=resp.id,
+                                     max_output_tokens=6)
+    assert follow.output_text == "Yes."
+    # cut short while thinking: a reasoning item and an empty message
+    script.text = "Cut short while thinking"
+    resp = client.responses.create(model=MODEL_NAME, input="What is 2 + 2?", max_output_tokens=6)
+    assert [item.type for item in resp.output] == ["reasoning", "message"] and resp.output_text == ""
+
+
+@pytest.mark.parametrize("text", ["<think>Two and two.</think>It is 4.", "Cut short while thinking"])
+def test_responses_reasoning_streamed(scripted, text):
+    client, script = scripted
+    script.text = text
+    events = _response_events(client, max_output_tokens=20)
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    content = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    want_reasoning, _, want_content = text.removeprefix("<think>").partition("</think>")
+    assert (reasoning, content) == (want_reasoning, want_content)
+    assert sum(k == "response.reasoning_text.delta" for k in kinds) > 1  # in pieces
+    # the reasoning item is added, streamed and done before the message is added
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert added == done == ["reasoning", "message"]
+    assert kinds.index("response.output_item.done") < [i for i, k in enumerate(kinds)
+                                                       if k == "response.output_item.added"][1]
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == want_reasoning and final.output_text == want_content
+    assert final.output[0].id == next(e.item_id for e in events if e.type == "response.reasoning_text.delta")

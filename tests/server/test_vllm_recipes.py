@@ -98,11 +98,13 @@ def test_serve_recipe_runs_unchanged(serve_in_process, line, name, key):
     assert answers["models"][0] == name
     assert answers["completion"]  # eight tokens of text
     chat = answers["chat"]
+    response = answers["response"]
+    assert response.status in ("completed", "incomplete")
     if "--reasoning-parser deepseek_r1" in line:  # the demo model writes no </think>: all of it is reasoning
         assert chat.content is None and chat.reasoning_content
+        assert [item.type for item in response.output] == ["reasoning", "message"] and not response.output_text
     else:
-        assert chat.role == "assistant" and chat.content and answers["stream"]
-    assert answers["response"].status in ("completed", "incomplete") and answers["response"].output_text
+        assert chat.role == "assistant" and chat.content and answers["stream"] and response.output_text
     assert run["api_key"] == key
 
 

@@ -44,6 +44,8 @@ __all__ = [
     "ResponseError",
     "ResponseOutputMessage",
     "ResponseOutputText",
+    "ResponseReasoningItem",
+    "ResponseReasoningText",
     "ResponseUsage",
     "ResponsesRequest",
     "ResponsesResponse",
@@ -250,6 +252,22 @@ class ResponseError(BaseModel):
     message: str
 
 
+class ResponseReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(BaseModel):
+    """The model's reasoning, split off its output by the server's reasoning parser; it comes
+    before the message, as OpenAI's and vLLM's reasoning items do."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ResponseReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 class ResponsesResponse(BaseModel):
     """The response object; the sampling fields echo what generation used (as vLLM's)."""
 
@@ -263,7 +281,7 @@ class ResponsesResponse(BaseModel):
     max_output_tokens: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     model: str
-    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    output: list[ResponseReasoningItem | ResponseOutputMessage] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None

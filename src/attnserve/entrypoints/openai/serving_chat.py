@@ -127,7 +127,7 @@ class OpenAIServingChat:
                                                     req.model_fields_set)
         params = check_for_model(params, self.engine.vocab_size, self.engine.max_logprobs)
         await check_constraints(self.engine, req, params)
-        parsing = self._output_parsing(req, params, ids)
+        parsing = self.output_parsing(req, params, ids)
         rid = random_id("chatcmpl")
         stream = self.metrics.track(
             self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival, params
@@ -153,12 +153,13 @@ class OpenAIServingChat:
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=_usage(final),
                                       prompt_logprobs=render_prompt_logprobs(final.prompt_logprobs))
 
-    def _output_parsing(self, req: ChatCompletionRequest, params: SamplingParams,
+    def output_parsing(self, req: ChatCompletionRequest, params: SamplingParams,
                         ids: list[int]) -> OutputParsing | None:
         """How the request's outputs are read (None: as they are, or as forced tool calls): the
         tool-call parser for "auto", the reasoning parser unless a grammar forces the output from
         its first token (it holds no reasoning then) or the tool parser splits reasoning itself.
-        Formats whose markers are special tokens keep them in the text, as vLLM's parsers ask."""
+        Formats whose markers are special tokens keep them in the text, as vLLM's parsers ask.
+        ``/v1/responses`` reads its outputs the same way (``serving_responses.py``)."""
         mode = req.tool_call_mode()[0]
         tools = self.tool_parser if mode == "auto" else None
         reasoning = self.reasoning_parser

@@ -15,6 +15,12 @@ A stream sends OpenAI's events, each with its ``sequence_number``: ``response.cr
 ``response.incomplete``). A failure once it has started is an ``error`` event, then
 ``response.failed``.
 
+With a reasoning parser (``--reasoning-parser``, read as chat's ``output_parsing`` reads it), an
+output that holds reasoning gets a ``reasoning`` item (``reasoning_text`` content) before the
+message; a stream opens it at its first text and sends ``response.reasoning_text.delta``
+events, then ``response.reasoning_text.done`` and its ``output_item.done`` before the message is
+added. A later turn continues from the message alone.
+
 ``store`` (true by default, as OpenAI's) keeps the finished response and its conversation in a
 bounded in-memory store (``ResponseStore``: the oldest go first), for ``GET`` and for a later
 request's ``previous_response_id``, which continues that conversation (its messages, then its
@@ -54,13 +60,15 @@ from attnserve.entrypoints.openai.responses_api import (
     ResponseError,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningText,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
     response_event,
     response_id,
 )
-from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat, OutputParsing
 from attnserve.entrypoints.openai.serving_completion import (
     StreamProgress,
     check_constraints,
@@ -149,18 +157,20 @@ class OpenAIServingResponses:
         except OpenAIError as e:
             e.param = _PARAMS.get(e.param, e.param)
             raise
+        parsing = self.chat.output_parsing(chat_req, params, ids)  # the reasoning parser, as chat's
+        split = parsing if parsing is not None and parsing.reasoning is not None else None
         rid = response_id("resp")
         stream = self.metrics.track(self.engine.generate(rid, {"prompt_token_ids": ids}, params), arrival, params)
         base = self._base(rid, req, params)
         if req.stream:
-            return self._stream(base, req, chat_req, messages, stream)
+            return self._stream(base, req, chat_req, messages, stream, split)
         final: RequestOutput | None = None
         async with aclosing(stream):
             async for final in stream:
                 raise_if_failed(final)
         if final is None or not final.finished:
             raise OpenAIError("the request was aborted", status=500)
-        return self._finish(base, req, chat_req, messages, final)
+        return self._finish(base, req, chat_req, messages, final, split=split)
 
     def retrieve(self, rid: str) -> ResponsesResponse:
         stored = self.store.get(rid)
@@ -182,7 +192,8 @@ class OpenAIServingResponses:
             previous = self.store.get(req.previous_response_id)
             if previous is None:
                 raise _not_found(req.previous_response_id, "previous_response_id", "Previous response")
-            reply = "".join(part.text for item in previous.response.output for part in item.content)
+            reply = "".join(part.text for item in previous.response.output if item.type == "message"
+                            for part in item.content)
             history = [*previous.messages, ChatMessage(role="assistant", content=reply)]
         return history + req.input_messages()
 
@@ -212,57 +223,114 @@ class OpenAIServingResponses:
             truncation=req.truncation or "disabled", user=req.user)
 
     def _finish(self, base: ResponsesResponse, req: ResponsesRequest, chat_req: ChatCompletionRequest,
-                messages: list[ChatMessage], final: RequestOutput, message_id: str | None = None) -> ResponsesResponse:
-        """The finished response of ``final`` (kept in the store when ``store``)."""
+                messages: list[ChatMessage], final: RequestOutput, message_id: str | None = None,
+                split: OutputParsing | None = None, reasoning_id: str | None = None) -> ResponsesResponse:
+        """The finished response of ``final`` (kept in the store when ``store``): with a reasoning
+        parser (``split``), a reasoning item before the message when the output held reasoning."""
         c = final.outputs[0]
         incomplete = c.finish_reason == "length"
+        status = "incomplete" if incomplete else "completed"
+        # logprobs cover every output token, the reasoning's too (one token may hold both)
         logprobs = self.chat.token_logprobs(chat_req, c.token_ids, c.logprobs) if req.wants_logprobs else None
-        message = ResponseOutputMessage(id=message_id or response_id("msg"),
-                                        status="incomplete" if incomplete else "completed",
-                                        content=[ResponseOutputText(text=c.text, logprobs=logprobs)])
+        items: list[ResponseReasoningItem | ResponseOutputMessage] = []
+        text = c.text
+        if split is not None:
+            reasoning, content = split.reasoning.extract(c.text, split.prompt_tail)
+            if reasoning is not None:
+                items.append(ResponseReasoningItem(id=reasoning_id or response_id("rs"), status=status,
+                                                   content=[ResponseReasoningText(text=reasoning)]))
+            text = content or ""
+        message = ResponseOutputMessage(id=message_id or response_id("msg"), status=status,
+                                        content=[ResponseOutputText(text=text, logprobs=logprobs)])
         num_in, num_out = len(final.prompt_token_ids), len(c.token_ids)
         usage = ResponseUsage(input_tokens=num_in, output_tokens=num_out, total_tokens=num_in + num_out,
                               input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens))
         response = base.model_copy(update={
-            "status": "incomplete" if incomplete else "completed", "output": [message], "usage": usage,
+            "status": status, "output": [*items, message], "usage": usage,
             "incomplete_details": IncompleteDetails() if incomplete else None})
         if req.store and not self.store.put(response, messages):
             response.store = False  # too large to keep
         return response
 
     async def _stream(self, base: ResponsesResponse, req: ResponsesRequest, chat_req: ChatCompletionRequest,
-                      messages: list[ChatMessage], stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                      messages: list[ChatMessage], stream: AsyncIterator[RequestOutput],
+                      split: OutputParsing | None = None) -> AsyncIterator[str]:
+        """The events of one response. With a reasoning parser (``split``) the reasoning item
+        comes first, opened at its first text (``response.reasoning_text.delta`` events), and the
+        message is opened when the content starts (or at the end, empty); logprobs then come
+        with the final ``response.output_text.done`` only (a token may hold both)."""
         numbers = itertools.count()
 
         def event(kind: str, **fields) -> str:
             return response_event(kind, next(numbers), **fields)
 
-        mid = response_id("msg")
-        where = {"item_id": mid, "output_index": 0, "content_index": 0}
+        rs_id, mid = response_id("rs"), response_id("msg")
+        opened: list[str] = []  # item ids in output order
+        reasoning_text: list[str] = []
+        want_logprobs = req.wants_logprobs and split is None
+
+        def where(item_id: str) -> dict:
+            return {"item_id": item_id, "output_index": opened.index(item_id), "content_index": 0}
+
+        def open_message() -> list[str]:
+            opened.append(mid)
+            return [event("response.output_item.added", output_index=opened.index(mid),
+                          item=ResponseOutputMessage(id=mid, status="in_progress", content=[])),
+                    event("response.content_part.added", **where(mid),
+                          part=ResponseOutputText(text="", logprobs=[] if req.wants_logprobs else None))]
+
+        def close_reasoning(status: str) -> list[str]:
+            item = ResponseReasoningItem(id=rs_id, status=status,
+                                         content=[ResponseReasoningText(text="".join(reasoning_text))])
+            return [event("response.reasoning_text.done", **where(rs_id), text=item.content[0].text),
+                    event("response.output_item.done", output_index=opened.index(rs_id), item=item)]
+
         try:
             yield event("response.created", response=base)
             yield event("response.in_progress", response=base)
-            yield event("response.output_item.added", output_index=0,
-                        item=ResponseOutputMessage(id=mid, status="in_progress", content=[]))
-            yield event("response.content_part.added", **where,
-                        part=ResponseOutputText(text="", logprobs=[] if req.wants_logprobs else None))
+            reasoning_stream = None if split is None else split.reasoning.stream(split.prompt_tail)
+            if reasoning_stream is None:
+                for line in open_message():
+                    yield line
             progress, hold, final = StreamProgress(), stop_holdback(chat_req.stop), None
             async with aclosing(stream):
                 async for final in stream:
                     raise_if_failed(final)  # an error event, then response.failed
                     c = final.outputs[0]
                     text, t0, t1 = progress.advance(c, hold)
-                    logprobs = self.chat.token_logprobs(chat_req, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1])
-                    if text or logprobs:
-                        yield event("response.output_text.delta", **where, delta=text, logprobs=logprobs)
+                    logprobs = self.chat.token_logprobs(chat_req, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1]) \
+                        if want_logprobs else None
+                    thought, content = ("", text) if reasoning_stream is None else \
+                        reasoning_stream.step(text, finished=final.finished)
+                    if thought:
+                        if rs_id not in opened:
+                            opened.append(rs_id)
+                            yield event("response.output_item.added", output_index=opened.index(rs_id),
+                                        item=ResponseReasoningItem(id=rs_id, status="in_progress"))
+                        reasoning_text.append(thought)
+                        yield event("response.reasoning_text.delta", **where(rs_id), delta=thought)
+                    if content and mid not in opened:
+                        if rs_id in opened:
+                            for line in close_reasoning("completed"):
+                                yield line
+                        for line in open_message():
+                            yield line
+                    if content or logprobs:
+                        yield event("response.output_text.delta", **where(mid), delta=content, logprobs=logprobs)
             if final is None or not final.finished:
                 raise OpenAIError("the request was aborted", status=500)
-            response = self._finish(base, req, chat_req, messages, final, mid)
-            item = response.output[0]
+            response = self._finish(base, req, chat_req, messages, final, mid, split, rs_id)
+            if rs_id in opened and mid not in opened:  # the output ended while reasoning
+                for line in close_reasoning(response.status):
+                    yield line
+            if mid not in opened:
+                for line in open_message():
+                    yield line
+            item = response.output[-1]
             part = item.content[0]
-            yield event("response.output_text.done", **where, text=part.text, logprobs=part.logprobs or [])
-            yield event("response.content_part.done", **where, part=part)
-            yield event("response.output_item.done", output_index=0, item=item)
+            yield event("response.output_text.done", **where(mid), text=part.text, logprobs=part.logprobs or [])
+            yield event("response.content_part.done", **where(mid), part=part)
+            yield event("response.output_item.done", output_index=opened.index(mid), item=item)
             yield event(f"response.{response.status}", response=response)
         except Exception as e:  # noqa: BLE001 - the stream has started: report inside it
             err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), status=500)
